@@ -1,0 +1,43 @@
+"""canonical-kv layouts: canonical page mappings of KV caches, format v1.
+
+The only part of canonical-kv that reasons about tensor, decode-context and
+prefill-context parallelism. Everything downstream (plans, kernels, the
+offload worker) consumes the byte mappings produced here. Pure Python and
+numpy: no torch ops, no I/O.
+
+Quickstart
+----------
+>>> from layouts import LayerSpec, derive_group_mappings
+>>> spec = LayerSpec("full", block_size=16, num_kv_heads=2, head_size=128,
+...                  dtype="bfloat16", packing="packed", order="NHD")
+>>> mappings = derive_group_mappings(spec, tp_size=4, total_kv_heads=8)
+>>> mappings[1].runs[0].canonical_offset  # rank 1 writes heads 2-3 of each token
+1024
+"""
+
+from .derive import (
+    CANONICAL_FORMAT_VERSION,
+    canonical_format_id,
+    certification_failure,
+    derive_group_mappings,
+    derive_layer_mapping,
+    opaque_fallback_mapping,
+)
+from .mapping import CanonicalPageMapping, CopyRun
+from .spec import LayerSpec, RankContext
+from .tiling import TilingError, verify_tiling
+
+__all__ = [
+    "CANONICAL_FORMAT_VERSION",
+    "CanonicalPageMapping",
+    "CopyRun",
+    "LayerSpec",
+    "RankContext",
+    "TilingError",
+    "canonical_format_id",
+    "certification_failure",
+    "derive_group_mappings",
+    "derive_layer_mapping",
+    "opaque_fallback_mapping",
+    "verify_tiling",
+]

@@ -1,0 +1,150 @@
+"""Byte mappings between one rank's physical KV page and a canonical page.
+
+A canonical page is a layer's offloaded block without parallelism: every KV
+head, every token of the block (``block_size * dcp * pcp`` tokens), in the
+worker's page encoding. A :class:`CanonicalPageMapping` says, for one rank,
+which bytes of its local page land where in the canonical page, as a short
+tuple of strided :class:`CopyRun` records. These records (and the order and
+coalescing of them) follow vLLM 0.33's canonical format v1, so two programs
+that agree on them write the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["CanonicalPageMapping", "CopyRun", "coalesce_runs"]
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided byte correspondence between a local page and a canonical page.
+
+    Fragment ``i`` (``0 <= i < num_fragments``) spans
+    ``[local_offset + i * local_stride, + fragment_size)`` in the rank's page
+    and ``[canonical_offset + i * canonical_stride, + fragment_size)`` in the
+    canonical page. All quantities are bytes.
+    """
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int
+    local_stride: int
+    canonical_stride: int
+
+    def local_starts(self) -> np.ndarray:
+        """int64 array (num_fragments,) of fragment starts in the local page."""
+        return self.local_offset + np.arange(self.num_fragments, dtype=np.int64) * self.local_stride
+
+    def canonical_starts(self) -> np.ndarray:
+        """int64 array (num_fragments,) of fragment starts in the canonical page."""
+        return (
+            self.canonical_offset
+            + np.arange(self.num_fragments, dtype=np.int64) * self.canonical_stride
+        )
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How one rank's page maps into a canonical (parallelism-free) page.
+
+    Attributes
+    ----------
+    canonical_page_size_bytes : int
+        Size of the canonical page of this layer.
+    local_page_size_bytes : int
+        Size of this rank's (unpadded) page of this layer.
+    runs : tuple[CopyRun, ...]
+        Cover the whole local page exactly once, in both directions.
+    num_writers : int
+        Number of ranks holding these exact bytes (replicated heads or latents).
+    writer_index : int
+        This rank's index among them; writers take turns by page id so stores
+        of replicated bytes spread over all ranks that hold them.
+    parallelism_agnostic : bool
+        True when the canonical bytes are the same under any TP with this block
+        span (no context parallelism folded into the page).
+    """
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int
+    runs: tuple[CopyRun, ...]
+    num_writers: int
+    writer_index: int
+    parallelism_agnostic: bool
+
+    def is_writer(self, page_id: int) -> bool:
+        """Whether this rank stores canonical page ``page_id`` (rotation by page)."""
+        return page_id % self.num_writers == self.writer_index
+
+    @property
+    def num_fragments(self) -> int:
+        """Total fragments over all runs, before fragment-level coalescing."""
+        return sum(run.num_fragments for run in self.runs)
+
+    @cached_property
+    def _fragments(self) -> np.ndarray:
+        if not self.runs:
+            out = np.zeros((0, 3), dtype=np.int64)
+        else:
+            local = np.concatenate([run.local_starts() for run in self.runs])
+            canonical = np.concatenate([run.canonical_starts() for run in self.runs])
+            size = np.concatenate(
+                [np.full(run.num_fragments, run.fragment_size, dtype=np.int64) for run in self.runs]
+            )
+            order = np.argsort(local, kind="stable")
+            local, canonical, size = local[order], canonical[order], size[order]
+            # A fragment continues the previous one when it is adjacent on both sides.
+            joins = (local[1:] == local[:-1] + size[:-1]) & (
+                canonical[1:] == canonical[:-1] + size[:-1]
+            )
+            heads = np.concatenate(([True], ~joins))
+            group = np.cumsum(heads) - 1
+            out = np.empty((int(heads.sum()), 3), dtype=np.int64)
+            out[:, 0] = local[heads]
+            out[:, 1] = canonical[heads]
+            out[:, 2] = np.bincount(group, weights=size).astype(np.int64)
+        out.setflags(write=False)
+        return out
+
+    def fragments(self) -> np.ndarray:
+        """Every fragment as an int64 array (n, 3) of (local_offset, canonical_offset, size).
+
+        Sorted by local offset; fragments adjacent in both pages are merged, so
+        a single-rank mapping is one row. The array is read-only and shared.
+        """
+        return self._fragments
+
+
+def coalesce_runs(runs: list[CopyRun] | tuple[CopyRun, ...]) -> tuple[CopyRun, ...]:
+    """Merge contiguous fragments within and across runs, in order.
+
+    A run whose fragments are back to back on both sides becomes one fragment,
+    and consecutive single-fragment runs adjacent on both sides merge. The
+    result is exactly what vLLM 0.33 stores in its mappings, so comparisons of
+    ``runs`` between the two are meaningful.
+    """
+    out: list[CopyRun] = []
+    for run in runs:
+        if (
+            run.num_fragments > 1
+            and run.local_stride == run.fragment_size
+            and run.canonical_stride == run.fragment_size
+        ):
+            size = run.fragment_size * run.num_fragments
+            run = CopyRun(run.local_offset, run.canonical_offset, size, 1, size, size)
+        if out and out[-1].num_fragments == 1 and run.num_fragments == 1:
+            prev = out[-1]
+            if (
+                prev.local_offset + prev.fragment_size == run.local_offset
+                and prev.canonical_offset + prev.fragment_size == run.canonical_offset
+            ):
+                size = prev.fragment_size + run.fragment_size
+                out[-1] = CopyRun(prev.local_offset, prev.canonical_offset, size, 1, size, size)
+                continue
+        out.append(run)
+    return tuple(out)

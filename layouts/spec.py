@@ -1,0 +1,300 @@
+"""Descriptions of one layer's KV page on one rank, and of that rank's place in its group.
+
+Pure data: nothing here imports torch. ``LayerSpec.from_tensor`` reads only
+``shape``, ``stride()`` (or numpy ``strides``) and ``dtype`` of the tensor it
+is given, so it works on torch tensors, numpy arrays and fake tensors alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LayerSpec", "RankContext", "dtype_name", "element_size"]
+
+ATTENTION_KINDS = ("full", "mla")
+PACKINGS = ("packed", "split")
+ORDERS = ("NHD", "HND")
+
+# Byte widths of the dtypes a KV cache is stored in. The ops move bytes, so only
+# the width matters; names follow torch's spelling without the "torch." prefix.
+_ELEMENT_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+_ALIASES = {
+    "half": "float16",
+    "float": "float32",
+    "double": "float64",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a dtype given as a string, a torch dtype or a numpy dtype.
+
+    Raises
+    ------
+    ValueError
+        If the dtype is not one a KV cache is stored in.
+    """
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    elif type(dtype).__module__ == "torch":  # torch.dtype, without importing torch
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    name = _ALIASES.get(name, name)
+    if name not in _ELEMENT_SIZES:
+        raise ValueError(
+            f"dtype: expected one of {sorted(_ELEMENT_SIZES)} (or a torch/numpy dtype), got {dtype!r}"
+        )
+    return name
+
+
+def element_size(dtype: Any) -> int:
+    """Bytes per element of ``dtype``."""
+    return _ELEMENT_SIZES[dtype_name(dtype)]
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's KV page on ONE rank.
+
+    Parameters
+    ----------
+    attention : {"full", "mla"}
+        Full (K and V per head) or MLA (one TP-replicated latent per token).
+    block_size : int
+        Tokens per block on this rank.
+    num_kv_heads : int
+        KV heads held by this rank (1 for MLA).
+    head_size : int
+        Elements per head (for MLA, the latent width in elements).
+    dtype : str | torch.dtype | numpy dtype
+        Storage dtype; normalised to its name (e.g. ``"bfloat16"``).
+    packing : {"packed", "split"}
+        ``"packed"``: tensor (num_blocks, heads, block_size, 2*head_size), K and V
+        adjacent per (token, head). ``"split"``: (num_blocks, 2, block_size, heads,
+        head_size), K and V in separate page halves.
+    order : {"NHD", "HND"}
+        Stride order inside the page: token-major or head-major.
+    per_token_head_scales : bool
+        The cache is quantised with per-(token, head) scales; such pages are never
+        certified (the scales are not part of the canonical format v1).
+    tokens_per_state : int | Fraction
+        Tokens covered by one stored state; anything but 1 is never certified.
+    """
+
+    attention: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+    packing: str
+    order: str
+    per_token_head_scales: bool = False
+    tokens_per_state: int | Fraction = 1
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"attention: expected one of {ATTENTION_KINDS}, got {self.attention!r}"
+            )
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing: expected one of {PACKINGS}, got {self.packing!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_size", self.head_size)
+        if self.attention == "mla" and self.num_kv_heads != 1:
+            raise ValueError(
+                f"num_kv_heads: expected 1 for attention='mla' (one latent), got {self.num_kv_heads}"
+            )
+        tps = self.tokens_per_state
+        if isinstance(tps, bool) or not isinstance(tps, (int, Fraction, np.integer)) or tps <= 0:
+            raise ValueError(f"tokens_per_state: expected a positive int or Fraction, got {tps!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "per_token_head_scales", bool(self.per_token_head_scales))
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return _ELEMENT_SIZES[self.dtype]
+
+    @property
+    def num_states(self) -> int:
+        """Stored states per block (``block_size`` unless tokens are compressed)."""
+        return int(self.block_size // self.tokens_per_state)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one (head, state) cell: K and V for full attention, the latent for MLA."""
+        width = self.head_size if self.attention == "mla" else 2 * self.head_size
+        return width * self.element_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """This rank's unpadded page of this layer, in bytes."""
+        return self.num_kv_heads * self.num_states * self.state_bytes
+
+    @classmethod
+    def from_tensor(
+        cls,
+        kv_cache: Any,
+        *,
+        attention: str,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        per_token_head_scales: bool = False,
+        tokens_per_state: int | Fraction = 1,
+    ) -> LayerSpec | None:
+        """Recognise packing and order from a KV cache tensor's shape and strides.
+
+        Full attention: shape (num_blocks, heads, block_size, 2*head_size) is
+        ``packed`` and shape (num_blocks, 2, block_size, heads, head_size) is
+        ``split``; the strides then decide NHD (token-major) or HND (head-major),
+        with the last dim contiguous and no padding inside the page, as vLLM
+        recognises them. MLA: shape (num_blocks, block_size, head_size) with
+        contiguous rows, reported as packed NHD (one latent row per token).
+
+        Returns
+        -------
+        LayerSpec | None
+            None when the layout is not one of those (the caller must then not
+            certify the layer: fail closed).
+        """
+        shape = tuple(int(s) for s in kv_cache.shape)
+        strides = _element_strides(kv_cache)
+        common = dict(
+            attention=attention,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=kv_cache.dtype,
+            per_token_head_scales=per_token_head_scales,
+            tokens_per_state=tokens_per_state,
+        )
+        bs, heads, hs = block_size, num_kv_heads, head_size
+        if attention == "mla":
+            if shape[1:] == (bs, hs) and strides[1:] == (hs, 1):
+                return cls(packing="packed", order="NHD", **common)
+            return None
+        if len(shape) == 4 and shape[1:] == (heads, bs, 2 * hs):
+            _, head_stride, token_stride, inner = strides
+            if inner != 1:
+                return None
+            if head_stride == 2 * hs and token_stride == heads * 2 * hs:
+                return cls(packing="packed", order="NHD", **common)
+            if head_stride == bs * 2 * hs and token_stride == 2 * hs:
+                return cls(packing="packed", order="HND", **common)
+            return None
+        if len(shape) == 5 and shape[1:] == (2, bs, heads, hs):
+            _, half_stride, token_stride, head_stride, inner = strides
+            if inner != 1 or half_stride != bs * heads * hs:
+                return None
+            if token_stride == heads * hs and head_stride == hs:
+                return cls(packing="split", order="NHD", **common)
+            if head_stride == bs * hs and token_stride == hs:
+                return cls(packing="split", order="HND", **common)
+        return None
+
+
+def _element_strides(tensor: Any) -> tuple[int, ...]:
+    stride = getattr(tensor, "stride", None)
+    if callable(stride):  # torch.Tensor: strides in elements
+        return tuple(int(s) for s in stride())
+    itemsize = np.dtype(tensor.dtype).itemsize  # numpy: strides in bytes
+    return tuple(int(s) // itemsize for s in tensor.strides)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank's place in a TP x PCP worker group, with DCP inside TP.
+
+    Ranks are numbered ``pcp_rank * tp_size + tp_rank``; DCP shares the TP ranks
+    (``dcp_rank = tp_rank % dcp_size``). Context-parallel ranks own interleaved
+    chunks of ``interleave`` tokens of each offloaded block.
+    """
+
+    tp_size: int
+    total_kv_heads: int
+    rank: int
+    dcp_size: int = 1
+    pcp_size: int = 1
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "total_kv_heads", "dcp_size", "pcp_size", "interleave"):
+            _positive_int(name, getattr(self, name))
+        group = self.tp_size * self.pcp_size
+        if (
+            isinstance(self.rank, bool)
+            or not isinstance(self.rank, (int, np.integer))
+            or not (0 <= self.rank < group)
+        ):
+            raise ValueError(
+                f"rank: expected an int in [0, tp_size * pcp_size = {group}), got {self.rank!r}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the TP x PCP group."""
+        return self.tp_size * self.pcp_size
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ways a block's tokens are split (DCP x PCP)."""
+        return self.dcp_size * self.pcp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pcp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.tp_rank % self.dcp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """Position of this rank's token chunks among all CP ranks."""
+        return self.pcp_rank * self.dcp_size + self.dcp_rank
+
+    def canonical_token(self, local_token: int) -> int:
+        """Canonical token index of this rank's ``local_token`` within a block."""
+        chunk, within = divmod(local_token, self.interleave)
+        return (chunk * self.cp_size + self.cp_rank) * self.interleave + within
