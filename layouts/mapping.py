@@ -88,26 +88,31 @@ class CanonicalPageMapping:
 
     @cached_property
     def _fragments(self) -> np.ndarray:
-        if not self.runs:
-            out = np.zeros((0, 3), dtype=np.int64)
-        else:
-            local = np.concatenate([run.local_starts() for run in self.runs])
-            canonical = np.concatenate([run.canonical_starts() for run in self.runs])
-            size = np.concatenate(
-                [np.full(run.num_fragments, run.fragment_size, dtype=np.int64) for run in self.runs]
-            )
-            order = np.argsort(local, kind="stable")
-            local, canonical, size = local[order], canonical[order], size[order]
-            # A fragment continues the previous one when it is adjacent on both sides.
-            joins = (local[1:] == local[:-1] + size[:-1]) & (
-                canonical[1:] == canonical[:-1] + size[:-1]
-            )
-            heads = np.concatenate(([True], ~joins))
-            group = np.cumsum(heads) - 1
-            out = np.empty((int(heads.sum()), 3), dtype=np.int64)
-            out[:, 0] = local[heads]
-            out[:, 1] = canonical[heads]
-            out[:, 2] = np.bincount(group, weights=size).astype(np.int64)
+        # Expand every run at once: fragment j of a run sits j strides from its offset.
+        fields = np.array(
+            [
+                (r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments,
+                 r.local_stride, r.canonical_stride)
+                for r in self.runs
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 6)
+        counts = fields[:, 3]
+        per_frag = np.repeat(fields, counts, axis=0)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        index = np.arange(per_frag.shape[0], dtype=np.int64) - first
+        local = per_frag[:, 0] + index * per_frag[:, 4]
+        canonical = per_frag[:, 1] + index * per_frag[:, 5]
+        size = per_frag[:, 2]
+        order = np.argsort(local, kind="stable")
+        local, canonical, size = local[order], canonical[order], size[order]
+        # A fragment continues the previous one when it is adjacent in both pages.
+        joins = (local[1:] == local[:-1] + size[:-1]) & (canonical[1:] == canonical[:-1] + size[:-1])
+        heads = np.concatenate(([True], ~joins)) if local.size else np.zeros(0, dtype=bool)
+        out = np.empty((int(heads.sum()), 3), dtype=np.int64)
+        out[:, 0] = local[heads]
+        out[:, 1] = canonical[heads]
+        out[:, 2] = np.add.reduceat(size, np.flatnonzero(heads)) if out.shape[0] else 0
         out.setflags(write=False)
         return out
 
