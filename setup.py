@@ -1,12 +1,81 @@
-"""Build and install canonical-kv: the `layouts` package (pure Python)."""
+"""Build canonical-kv: `layouts` (pure Python) and `canonical_ops` with its extension `_C`.
+
+The extension always gets the CPU kernels. It gets the CUDA kernels whenever
+nvcc and a CUDA build of torch are present (no GPU needed to compile); set
+CANONICAL_KV_BUILD_CUDA=0 to skip them or =1 to insist. TORCH_CUDA_ARCH_LIST
+defaults to "9.0" (Hopper).
+"""
+
+import os
+import shutil
 
 from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> tuple[bool, str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    choice = os.environ.get("CANONICAL_KV_BUILD_CUDA", "auto").lower()
+    if choice in ("0", "no", "off", "false"):
+        return False, "CANONICAL_KV_BUILD_CUDA=0"
+    if torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is not a CUDA build"
+    elif cpp_extension.CUDA_HOME is None or not (
+        shutil.which("nvcc") or os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
+    ):
+        reason = "nvcc not found (set CUDA_HOME)"
+    else:
+        return True, f"nvcc in {cpp_extension.CUDA_HOME}, torch CUDA {torch.version.cuda}"
+    if choice in ("1", "yes", "on", "true"):
+        raise RuntimeError(f"CANONICAL_KV_BUILD_CUDA=1 but {reason}")
+    return False, reason
+
+
+def _extensions():
+    from torch.utils import cpp_extension
+
+    use_cuda, why = _want_cuda()
+    include = [os.path.join(ROOT, "kernels", "include")]
+    sources = ["kernels/registration.cpp", "kernels/cpu/canonical_cpu.cpp"]
+    cxx = ["-O3"]  # torch picks the C++ standard its headers need
+    if use_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        sources += ["kernels/cuda/canonical_cuda.cpp", "kernels/cuda/canonical_kernel.cu"]
+        print(f"canonical-kv: building CPU + CUDA kernels ({why}; "
+              f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})")
+        return [
+            cpp_extension.CUDAExtension(
+                "canonical_ops._C",
+                sources,
+                include_dirs=include,
+                define_macros=[("CANONICAL_WITH_CUDA", "1")],
+                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
+            )
+        ]
+    print(f"canonical-kv: building CPU kernels only ({why})")
+    return [
+        cpp_extension.CppExtension(
+            "canonical_ops._C", sources, include_dirs=include, extra_compile_args=cxx
+        )
+    ]
+
+
+def _build_ext():
+    from torch.utils import cpp_extension
+
+    return cpp_extension.BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=False)
+
 
 setup(
     name="canonical-kv",
     version="0.1.0",
     description="Canonical, parallelism-free KV-cache pages moved by fused PyTorch ops",
-    packages=find_packages(include=["layouts", "layouts.*"]),
+    packages=find_packages(include=["layouts", "layouts.*", "canonical_ops", "canonical_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["numpy>=1.26"],
+    install_requires=["numpy>=1.26", "torch>=2.6"],
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": _build_ext()},
 )

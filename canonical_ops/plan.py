@@ -1,0 +1,228 @@
+"""Plan building: per-layer canonical mappings -> one int64 plan tensor on the kv device.
+
+Built once at init; every transfer afterwards passes only block ids and page
+ids. The record layout is documented in kernels/include/canonical/plan.h.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from layouts import CanonicalPageMapping
+
+from . import _extension  # noqa: F401  (registers torch.ops.canonical)
+
+PLAN_MAGIC = 0x31564B4E4F4E4143  # "CANONKV1", as in plan.h
+PLAN_VERSION = 1
+HEADER_WORDS, LAYER_WORDS, FRAGMENT_WORDS = 16, 8, 4
+# CUDA plans split fragments so one group of lanes moves at most this many bytes
+# per work item: big pages spread over many warps, small ones stay whole.
+CUDA_MAX_FRAGMENT_BYTES = 2048
+
+
+def _alignment(values: np.ndarray) -> int:
+    """Largest power of two <= 16 dividing every value."""
+    combined = int(np.bitwise_or.reduce(values.astype(np.int64))) if values.size else 0
+    align = 16
+    while align > 1 and combined % align:
+        align //= 2
+    return align
+
+
+def _split(frags: np.ndarray, limit: int | None) -> np.ndarray:
+    """Cut fragments (local, canonical, size) into pieces of at most ``limit`` bytes."""
+    if not limit or frags.size == 0 or frags[:, 2].max() <= limit:
+        return frags
+    pieces = -(-frags[:, 2] // limit)
+    rows = np.repeat(frags, pieces, axis=0)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    index = np.arange(rows.shape[0], dtype=np.int64) - first
+    start = index * limit
+    out = np.empty_like(rows)
+    out[:, 0] = rows[:, 0] + start
+    out[:, 1] = rows[:, 1] + start
+    out[:, 2] = np.minimum(limit, rows[:, 2] - start)
+    return out
+
+
+def default_area_offsets(
+    mappings: Sequence[CanonicalPageMapping], pages_per_row: int
+) -> list[int]:
+    """Layer areas carved consecutively in each row, layer 0 first (as vLLM's views do)."""
+    offsets, position = [], 0
+    for mapping in mappings:
+        offsets.append(position)
+        position += pages_per_row * mapping.canonical_page_size_bytes
+    return offsets
+
+
+def build_plan_words(
+    mappings: Sequence[CanonicalPageMapping],
+    kv_caches: Sequence[torch.Tensor],
+    cpu_pages: torch.Tensor,
+    *,
+    pages_per_row: int = 1,
+    area_offsets: Sequence[int] | None = None,
+    max_fragment_bytes: int | None = None,
+) -> np.ndarray:
+    """The plan's int64 words (host numpy array); see :func:`make_plan`."""
+    if isinstance(kv_caches, torch.Tensor) or not len(kv_caches):
+        raise ValueError("kv_caches: expected a non-empty list of tensors, one per layer")
+    if len(mappings) != len(kv_caches):
+        raise ValueError(
+            f"mappings: expected one CanonicalPageMapping per layer ({len(kv_caches)}), "
+            f"got {len(mappings)}"
+        )
+    if not isinstance(pages_per_row, int) or pages_per_row < 1:
+        raise ValueError(f"pages_per_row: expected a positive int, got {pages_per_row!r}")
+    if not isinstance(cpu_pages, torch.Tensor) or cpu_pages.dtype != torch.uint8:
+        raise TypeError("cpu_pages: expected a uint8 tensor")
+    if cpu_pages.dim() != 2 or (cpu_pages.size(1) > 1 and cpu_pages.stride(1) != 1):
+        raise ValueError("cpu_pages: expected a 2-D (rows, row_bytes) tensor with contiguous rows")
+    if max_fragment_bytes is not None and (max_fragment_bytes < 16 or max_fragment_bytes % 16):
+        raise ValueError(
+            f"max_fragment_bytes: expected a multiple of 16, got {max_fragment_bytes!r}"
+        )
+    device = kv_caches[0].device
+    if max_fragment_bytes is None and device.type == "cuda":
+        max_fragment_bytes = CUDA_MAX_FRAGMENT_BYTES
+
+    for layer, mapping in enumerate(mappings):
+        if not isinstance(mapping, CanonicalPageMapping):
+            raise TypeError(
+                f"mappings[{layer}]: expected a CanonicalPageMapping (use "
+                f"layouts.opaque_fallback_mapping for uncertified layers), got "
+                f"{type(mapping).__name__}"
+            )
+    if area_offsets is None:
+        area_offsets = default_area_offsets(mappings, pages_per_row)
+    elif len(area_offsets) != len(mappings):
+        raise ValueError(
+            f"area_offsets: expected {len(mappings)} offsets (one per layer), "
+            f"got {len(area_offsets)}"
+        )
+    areas = sorted(
+        (int(offset), int(offset) + pages_per_row * m.canonical_page_size_bytes, layer)
+        for layer, (offset, m) in enumerate(zip(area_offsets, mappings))
+    )
+    for (begin, end, layer), nxt in zip(areas, [*areas[1:], None]):
+        if begin < 0:
+            raise ValueError(f"area_offsets[{layer}]: expected >= 0, got {begin}")
+        if nxt is not None and end > nxt[0] and end > begin and nxt[1] > nxt[0]:
+            raise ValueError(
+                f"area_offsets[{layer}]: its area [{begin}, {end}) overlaps layer {nxt[2]}'s "
+                f"at {nxt[0]}"
+            )
+    required_row_bytes = max(end for _, end, _ in areas)
+    if cpu_pages.size(1) < required_row_bytes:
+        raise ValueError(
+            f"cpu_pages: expected rows of at least {required_row_bytes} bytes "
+            f"(layer areas x pages_per_row={pages_per_row}), got {cpu_pages.size(1)}"
+        )
+
+    layer_table = np.zeros((len(mappings), LAYER_WORDS), dtype=np.int64)
+    fragment_tables = []
+    first = 0
+    for layer, (mapping, kv) in enumerate(zip(mappings, kv_caches)):
+        name = f"kv_caches[{layer}]"
+        if not isinstance(kv, torch.Tensor) or kv.dim() < 1:
+            raise ValueError(f"{name}: expected a tensor with a leading block dimension")
+        if kv.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} like kv_caches[0], got "
+                             f"{kv.device}")
+        block_stride = kv.stride(0) * kv.element_size()
+        if mapping.local_page_size_bytes > block_stride:
+            raise ValueError(
+                f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes does "
+                f"not fit {name}'s block stride of {block_stride} bytes"
+            )
+        frags = _split(mapping.fragments(), max_fragment_bytes)
+        table = np.empty((frags.shape[0], FRAGMENT_WORDS), dtype=np.int64)
+        table[:, :3] = frags
+        table[:, 3] = layer
+        fragment_tables.append(table)
+        layer_table[layer] = (
+            block_stride,
+            kv.size(0),
+            mapping.local_page_size_bytes,
+            mapping.canonical_page_size_bytes,
+            int(area_offsets[layer]),
+            mapping.num_writers,
+            mapping.writer_index,
+            first,
+        )
+        first += frags.shape[0]
+    fragments = np.concatenate(fragment_tables)
+    header = np.zeros(HEADER_WORDS, dtype=np.int64)
+    row_bytes = cpu_pages.stride(0) if cpu_pages.size(0) > 1 else cpu_pages.size(1)
+    alignment = _alignment(
+        np.concatenate([fragments[:, :3].ravel(), layer_table[:, [0, 3, 4]].ravel(), [row_bytes]])
+    )
+    header[:10] = (
+        PLAN_MAGIC,
+        PLAN_VERSION,
+        len(mappings),
+        fragments.shape[0],
+        pages_per_row,
+        row_bytes,
+        required_row_bytes,
+        int(fragments[:, 2].max()) if fragments.size else 0,
+        alignment,
+        sum(m.local_page_size_bytes for m in mappings),
+    )
+    return np.concatenate([header, layer_table.ravel(), fragments.ravel()])
+
+
+def make_plan(
+    mappings: Sequence[CanonicalPageMapping],
+    kv_caches: Sequence[torch.Tensor],
+    cpu_pages: torch.Tensor,
+    *,
+    pages_per_row: int = 1,
+    area_offsets: Sequence[int] | None = None,
+    max_fragment_bytes: int | None = None,
+) -> torch.Tensor:
+    """Build the transfer plan of a set of layers, once, on the kv device.
+
+    Parameters
+    ----------
+    mappings : sequence of CanonicalPageMapping, one per layer (this rank's).
+    kv_caches : sequence of torch.Tensor, one per layer, leading dim = blocks.
+    cpu_pages : torch.Tensor
+        uint8 (num_rows, row_bytes) with contiguous rows; each row holds
+        ``pages_per_row`` canonical pages of every layer.
+    pages_per_row : int
+        Canonical pages of each layer per row (vLLM: blocks per chunk).
+    area_offsets : sequence of int, optional
+        Byte offset of each layer's area within a row; default: consecutive
+        areas of ``pages_per_row * canonical_page_size`` bytes, layer 0 first.
+    max_fragment_bytes : int, optional
+        Split fragments above this size into work items (multiple of 16).
+        Default: 2048 on CUDA (load balance), no split on CPU.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 (plan_words,) on the kv device. The plan records the kv block
+        strides and counts and the row stride it was built for; the ops refuse
+        other tensors.
+    """
+    words = build_plan_words(
+        mappings,
+        kv_caches,
+        cpu_pages,
+        pages_per_row=pages_per_row,
+        area_offsets=area_offsets,
+        max_fragment_bytes=max_fragment_bytes,
+    )
+    host = torch.from_numpy(words)
+    device = kv_caches[0].device
+    if device.type == "cpu":
+        return host.clone()
+    plan = host.to(device)
+    # Keep a host copy in the extension so CUDA calls validate without a sync.
+    torch.ops.canonical._register_plan(plan, host)
+    return plan

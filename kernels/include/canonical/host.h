@@ -1,0 +1,48 @@
+// Host-side pieces shared by the CPU and CUDA dispatch code: argument
+// validation (every check happens before a kernel starts, so bad input
+// writes nothing), the plan registry, and the SM budget.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "canonical/plan.h"
+
+namespace canonical {
+
+// What validation learnt about a call.
+struct CallInfo {
+  int64_t num_pairs = 0;
+  int64_t num_rows = 0;
+  bool ids_on_host = false;
+};
+
+// Checks every argument of canonical_store / canonical_load against the plan
+// (whose words must be readable on the host). Throws ValueError / TypeError /
+// IndexError naming the argument and the expected value.
+CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pages,
+                       const at::Tensor& plan, const at::Tensor& block_ids,
+                       const at::Tensor& page_ids, const PlanView& host_plan);
+
+// Host copy of a device plan plus its device error word, kept from make_plan
+// (register_plan) so that CUDA calls validate without a device sync.
+struct PlanEntry {
+  std::vector<int64_t> words;
+  at::Tensor error;  // int64[4] on the plan's device
+};
+
+// Checks a plan's words are self-consistent (magic, version, size, every
+// fragment inside its layer's pages, areas inside a row), so that a kernel
+// following it cannot leave the tensors validate_call then checks it against.
+void verify_plan_words(const int64_t* words, int64_t num_words);
+
+// Registry of device plans (keyed by data pointer and size). remember_plan
+// verifies the words first. find_plan returns nullptr for an unknown plan.
+const PlanEntry* find_plan(const at::Tensor& plan);
+const PlanEntry& remember_plan(const at::Tensor& plan, std::vector<int64_t> words);
+
+int sm_budget();
+
+}  // namespace canonical

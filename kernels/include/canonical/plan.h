@@ -1,0 +1,147 @@
+// Plan record and expansion index math, shared by the CPU kernel (g++) and the
+// CUDA kernel (nvcc). Header-only, no torch types: the .cu file includes only this.
+//
+// A plan is ONE int64 tensor built once at init by canonical_ops.make_plan from
+// the layers' CanonicalPageMappings. It lives on the KV device; the kernels
+// read it, nothing writes it after it is built.
+//
+// Layout (all values int64, offsets in int64 words, sizes in bytes):
+//
+//   header   [kHeaderWords]
+//     [0]  kPlanMagic
+//     [1]  kPlanVersion
+//     [2]  num_layers
+//     [3]  num_fragments              (all layers, after chunking)
+//     [4]  pages_per_row              canonical pages of each layer per cpu_pages row
+//     [5]  row_bytes                  cpu_pages.stride(0): bytes between rows
+//     [6]  required_row_bytes         bytes of a row the layer areas reach (<= cpu_pages.size(1))
+//     [7]  max_fragment_bytes         largest fragment after chunking
+//     [8]  common_alignment           largest power of two (<= 16) dividing every offset and size
+//     [9]  bytes_per_pair             local bytes of one block over all layers (sum of page sizes)
+//     [10..15] reserved (0)
+//   layers   [num_layers][kLayerWords], starting at word kHeaderWords
+//     [0]  block_stride_bytes         kv_caches[l].stride(0) * element_size()
+//     [1]  num_blocks                 kv_caches[l].size(0)
+//     [2]  local_page_size_bytes
+//     [3]  canonical_page_size_bytes
+//     [4]  area_offset_bytes          where layer l's area starts in each row
+//     [5]  num_writers
+//     [6]  writer_index
+//     [7]  first_fragment             index of the layer's first fragment record
+//   fragments [num_fragments][kFragmentWords], after the layer table
+//     [0]  local_offset               in the layer's local page (block)
+//     [1]  canonical_offset           in the layer's canonical page
+//     [2]  size
+//     [3]  layer
+//
+// Fragments are ordered by layer, then by local offset. Layer l's canonical
+// page p lives at
+//     row(p // pages_per_row) + area_offset[l] + (p % pages_per_row) * canonical_page_size[l].
+// A transfer of n (block_id, page_id) pairs has n * num_fragments work items;
+// item w is fragment (w % num_fragments) of pair (w / num_fragments), so
+// consecutive items walk one block's local page in address order.
+#pragma once
+
+#include <stdint.h>
+
+#include <c10/macros/Macros.h>
+
+namespace canonical {
+
+constexpr int64_t kPlanMagic = 0x31564b4e4f4e4143LL;  // "CANONKV1" little-endian
+constexpr int64_t kPlanVersion = 1;
+constexpr int64_t kHeaderWords = 16;
+constexpr int64_t kLayerWords = 8;
+constexpr int64_t kFragmentWords = 4;
+
+enum HeaderField : int64_t {
+  kMagic = 0,
+  kVersion = 1,
+  kNumLayers = 2,
+  kNumFragments = 3,
+  kPagesPerRow = 4,
+  kRowBytes = 5,
+  kRequiredRowBytes = 6,
+  kMaxFragmentBytes = 7,
+  kCommonAlignment = 8,
+  kBytesPerPair = 9,
+};
+
+enum LayerField : int64_t {
+  kBlockStrideBytes = 0,
+  kNumBlocks = 1,
+  kLocalPageBytes = 2,
+  kCanonicalPageBytes = 3,
+  kAreaOffsetBytes = 4,
+  kNumWriters = 5,
+  kWriterIndex = 6,
+  kFirstFragment = 7,
+};
+
+// Device-side error codes, OR-ed into the error word when a kernel refuses a
+// work item (the item is skipped: no byte is read or written for it).
+enum ErrorCode : int64_t {
+  kErrorBlockId = 1,
+  kErrorPageId = 2,
+};
+
+// Total words of a plan with the given table sizes.
+C10_HOST_DEVICE inline int64_t plan_words(int64_t num_layers, int64_t num_fragments) {
+  return kHeaderWords + num_layers * kLayerWords + num_fragments * kFragmentWords;
+}
+
+// Read-only view over a plan's words (host or device memory).
+struct PlanView {
+  const int64_t* words;
+
+  C10_HOST_DEVICE int64_t header(int64_t field) const { return words[field]; }
+  C10_HOST_DEVICE int64_t num_layers() const { return words[kNumLayers]; }
+  C10_HOST_DEVICE int64_t num_fragments() const { return words[kNumFragments]; }
+  C10_HOST_DEVICE const int64_t* layer(int64_t l) const {
+    return words + kHeaderWords + l * kLayerWords;
+  }
+  C10_HOST_DEVICE const int64_t* fragment(int64_t f) const {
+    return words + kHeaderWords + num_layers() * kLayerWords + f * kFragmentWords;
+  }
+};
+
+// One work item, expanded: which layer, byte offsets from the layer's kv base
+// and from cpu_pages' base, the size, and whether this rank stores it.
+struct Expanded {
+  int64_t layer;
+  int64_t local_byte;      // from kv_caches[layer].data_ptr()
+  int64_t canonical_byte;  // from cpu_pages.data_ptr()
+  int64_t size;
+  bool is_writer;          // page_id % num_writers == writer_index
+};
+
+// Expands fragment `fragment` of the pair (block_id, page_id). Ids must already
+// be in range (see ids_in_range); the result then lies inside both tensors.
+C10_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragment, int64_t block_id,
+                                       int64_t page_id) {
+  const int64_t* frag = plan.fragment(fragment);
+  const int64_t layer = frag[3];
+  const int64_t* rec = plan.layer(layer);
+  const int64_t pages_per_row = plan.header(kPagesPerRow);
+  const int64_t row = page_id / pages_per_row;
+  const int64_t slot = page_id - row * pages_per_row;
+  Expanded out;
+  out.layer = layer;
+  out.local_byte = block_id * rec[kBlockStrideBytes] + frag[0];
+  out.canonical_byte = row * plan.header(kRowBytes) + rec[kAreaOffsetBytes] +
+                       slot * rec[kCanonicalPageBytes] + frag[1];
+  out.size = frag[2];
+  out.is_writer = page_id % rec[kNumWriters] == rec[kWriterIndex];
+  return out;
+}
+
+// Whether a pair may be expanded for `layer`: the block exists in that layer's
+// kv tensor and the page's row exists in cpu_pages.
+C10_HOST_DEVICE inline bool ids_in_range(const PlanView& plan, int64_t layer, int64_t block_id,
+                                         int64_t page_id, int64_t num_rows) {
+  const int64_t num_blocks = plan.layer(layer)[kNumBlocks];
+  return block_id >= 0 && block_id < num_blocks && page_id >= 0 &&
+         page_id < num_rows * plan.header(kPagesPerRow);
+}
+
+}  // namespace canonical
