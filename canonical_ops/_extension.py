@@ -11,8 +11,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _library_path() -> str:
-    candidates = sorted(glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(
-        os.path.join(_HERE, "_C*.pyd")))
+    candidates = sorted(
+        glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd"))
+    )
     if not candidates:
         raise ImportError(
             "canonical_ops._C is not built: run `make install` (or "

@@ -9,7 +9,7 @@ import torch
 
 from . import _extension  # noqa: F401  (registers torch.ops.canonical)
 
-__all__ = ["store", "load", "check_device_errors", "set_sm_budget", "CanonicalTransferError"]
+__all__ = ["CanonicalTransferError", "check_device_errors", "load", "set_sm_budget", "store"]
 
 
 class CanonicalTransferError(RuntimeError):
@@ -77,9 +77,7 @@ def check_device_errors(plan: torch.Tensor) -> None:
     """
     code, pair, block_id, page_id = torch.ops.canonical._plan_error(plan)
     if code:
-        what = " and ".join(
-            name for bit, name in ((1, "block id"), (2, "page id")) if code & bit
-        )
+        what = " and ".join(name for bit, name in ((1, "block id"), (2, "page id")) if code & bit)
         raise CanonicalTransferError(
             f"a canonical transfer refused out-of-range {what}(s); first: pair {pair - 1} "
             f"(block_ids = {block_id}, page_ids = {page_id}). The refused fragments were not "

@@ -48,9 +48,7 @@ def _split(frags: np.ndarray, limit: int | None) -> np.ndarray:
     return out
 
 
-def default_area_offsets(
-    mappings: Sequence[CanonicalPageMapping], pages_per_row: int
-) -> list[int]:
+def default_area_offsets(mappings: Sequence[CanonicalPageMapping], pages_per_row: int) -> list[int]:
     """Layer areas carved consecutively in each row, layer 0 first (as vLLM's views do)."""
     offsets, position = [], 0
     for mapping in mappings:
@@ -131,8 +129,9 @@ def build_plan_words(
         if not isinstance(kv, torch.Tensor) or kv.dim() < 1:
             raise ValueError(f"{name}: expected a tensor with a leading block dimension")
         if kv.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} like kv_caches[0], got "
-                             f"{kv.device}")
+            raise ValueError(
+                f"{name}: expected a tensor on {device} like kv_caches[0], got {kv.device}"
+            )
         block_stride = kv.stride(0) * kv.element_size()
         if mapping.local_page_size_bytes > block_stride:
             raise ValueError(

@@ -2,11 +2,13 @@
 // (plan words from the registry: no device sync), then one kernel launch on
 // the current stream. No allocation and no sync, so calls can be captured in
 // a CUDA graph.
+// Only c10/cuda headers: ATen/cuda ones pull in cuBLAS/cuSPARSE headers that a
+// bare nvcc toolkit lacks.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include "canonical/host.h"
@@ -19,7 +21,9 @@ namespace {
 const PlanEntry& cuda_plan_entry(const at::Tensor& plan) {
   if (const PlanEntry* entry = find_plan(plan)) return *entry;
   // Built by hand rather than by make_plan: read it back once and remember it.
-  TORCH_CHECK_VALUE(at::cuda::currentStreamCaptureStatus() == at::cuda::CaptureStatus::None,
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream().stream(), &capture));
+  TORCH_CHECK_VALUE(capture == cudaStreamCaptureStatusNone,
                     "plan: not registered; build it with canonical_ops.make_plan before "
                     "capturing a CUDA graph");
   at::Tensor host = plan.to(at::kCPU);
@@ -83,7 +87,7 @@ void copy_cuda(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_p
     args.layer_base[l] = static_cast<uint8_t*>(kv_caches[l].data_ptr());
   }
   LaunchConfig config{sm_budget(), host_view.header(kMaxFragmentBytes)};
-  C10_CUDA_CHECK(launch_canonical_copy(args, config, at::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(launch_canonical_copy(args, config, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 void canonical_store_cuda(at::TensorList kv_caches, const at::Tensor& cpu_pages,

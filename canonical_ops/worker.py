@@ -1,0 +1,284 @@
+"""The per-rank offload worker: mappings and plan built once, async stores and loads.
+
+One ``OffloadWorker`` per rank. At construction it derives and verifies every
+layer's canonical mappings for the whole TP x PCP group (layers that cannot be
+certified get the opaque fallback, for every rank alike), builds the transfer
+plan once, and from then on each ``store`` / ``load`` is ONE op call: one
+kernel launch on CUDA, one parallel loop on CPU.
+
+On CUDA, transfers run on the worker's side stream, ordered after the work
+already queued on the caller's (compute) stream by an event, and complete in
+the background; ``poll`` / ``wait`` report them. On CPU they run synchronously
+and the returned job is already finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from layouts import (
+    CanonicalPageMapping,
+    LayerSpec,
+    RankContext,
+    canonical_format_id,
+    certification_failure,
+    derive_group_mappings,
+    opaque_fallback_mapping,
+)
+
+from .ops import check_device_errors
+from .plan import default_area_offsets, make_plan
+
+__all__ = ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
+
+
+def group_layer_mappings(
+    specs: Sequence[LayerSpec | None],
+    ctx: RankContext,
+    *,
+    fallback_page_sizes: Sequence[int] | None = None,
+    layer_names: Sequence[str] | None = None,
+) -> list[tuple[CanonicalPageMapping, ...]]:
+    """Every layer's verified mappings for every rank of ``ctx``'s group.
+
+    A layer whose spec is None (layout not recognised) gets the opaque fallback
+    with ``fallback_page_sizes[l]`` bytes per page (its block size in bytes).
+    """
+    out = []
+    for layer, spec in enumerate(specs):
+        name = layer_names[layer] if layer_names else f"layer {layer}"
+        if spec is None:
+            if fallback_page_sizes is None:
+                raise ValueError(f"specs[{layer}]: None needs fallback_page_sizes[{layer}]")
+            ranks = ctx.group_size
+            page = int(fallback_page_sizes[layer])
+            out.append(tuple(opaque_fallback_mapping(page, ranks, r) for r in range(ranks)))
+            continue
+        out.append(
+            derive_group_mappings(
+                spec,
+                ctx.tp_size,
+                ctx.total_kv_heads,
+                ctx.dcp_size,
+                ctx.pcp_size,
+                ctx.interleave,
+                layer_name=name,
+            )
+        )
+    return out
+
+
+def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row: int = 1) -> int:
+    """Bytes of one region row holding ``pages_per_row`` canonical pages of every layer."""
+    return sum(pages_per_row * m.canonical_page_size_bytes for m in mappings)
+
+
+@dataclass
+class TransferJob:
+    """One submitted store or load.
+
+    Attributes
+    ----------
+    job_id : int
+    kind : {"store", "load"}
+    num_blocks : int
+        (block, page) pairs moved.
+    num_bytes : int
+        Local bytes this rank moved (stores count only the pages it writes).
+    submitted_at, finished_at : float
+        ``time.perf_counter()`` stamps; finished_at is None while in flight.
+    """
+
+    job_id: int
+    kind: str
+    num_blocks: int
+    num_bytes: int
+    submitted_at: float
+    finished_at: float | None = None
+    error: BaseException | None = None
+    _done_event: torch.cuda.Event | None = field(default=None, repr=False)
+    _keep_alive: tuple = field(default=(), repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    def make_stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Order ``stream`` (default: current) after this job without blocking the host."""
+        if self._done_event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(self._done_event)
+
+
+class OffloadWorker:
+    """Stores and loads this rank's KV blocks to/from canonical pages.
+
+    Parameters
+    ----------
+    kv_caches : sequence of torch.Tensor
+        One per layer, leading dim = blocks (CPU or one CUDA device).
+    specs : sequence of LayerSpec or None
+        This rank's page description of each layer; None (an unrecognised
+        layout) stores that layer opaquely.
+    ctx : RankContext
+        This rank's place in the TP x PCP group.
+    cpu_pages : torch.Tensor or SharedOffloadRegion
+        uint8 (num_rows, row_bytes) region shared by the group (pinned for
+        CUDA), or a region object exposing ``.tensor``.
+    pages_per_row : int
+        Canonical pages of each layer per row.
+    layer_names : sequence of str, optional
+        Named in tiling errors.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        specs: Sequence[LayerSpec | None],
+        ctx: RankContext,
+        cpu_pages,
+        *,
+        pages_per_row: int = 1,
+        layer_names: Sequence[str] | None = None,
+    ) -> None:
+        if len(specs) != len(kv_caches):
+            raise ValueError(
+                f"specs: expected one LayerSpec (or None) per kv cache ({len(kv_caches)}), "
+                f"got {len(specs)}"
+            )
+        self.kv_caches = list(kv_caches)
+        self.ctx = ctx
+        self.region = cpu_pages if not isinstance(cpu_pages, torch.Tensor) else None
+        self.cpu_pages = cpu_pages if isinstance(cpu_pages, torch.Tensor) else cpu_pages.tensor
+        self.pages_per_row = pages_per_row
+        block_bytes = [kv.stride(0) * kv.element_size() for kv in self.kv_caches]
+        self.group_mappings = group_layer_mappings(
+            specs, ctx, fallback_page_sizes=block_bytes, layer_names=layer_names
+        )
+        self.mappings = [group[ctx.rank] for group in self.group_mappings]
+        # Why each uncertified layer is stored opaquely (readable by this topology only).
+        self.fallback_reasons = {
+            layer: certification_failure(spec, ctx)
+            for layer, spec in enumerate(specs)
+            if certification_failure(spec, ctx) is not None
+        }
+        orders = {spec.order for spec in specs if spec is not None}
+        self.format_id = canonical_format_id(orders.pop()) if len(orders) == 1 else None
+        self.area_offsets = default_area_offsets(self.mappings, pages_per_row)
+        self.row_bytes = canonical_row_bytes(self.mappings, pages_per_row)
+        self.plan = make_plan(
+            self.mappings, self.kv_caches, self.cpu_pages, pages_per_row=pages_per_row
+        )
+        self.device = self.kv_caches[0].device
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._job_ids = itertools.count()
+        self._in_flight: list[TransferJob] = []
+        # Bytes this rank writes per page id, by page id modulo the writer rotation.
+        self._rotation = int(np.lcm.reduce([m.num_writers for m in self.mappings]))
+        self._store_bytes = [
+            sum(m.local_page_size_bytes for m in self.mappings if m.is_writer(p))
+            for p in range(self._rotation)
+        ]
+        self._load_bytes = sum(m.local_page_size_bytes for m in self.mappings)
+
+    # Tensor-level calls: what a model step would call; traceable by torch.compile.
+    def store_tensors(self, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Launch the store of ``block_ids`` into ``page_ids`` on the current stream."""
+        torch.ops.canonical.canonical_store(
+            self.kv_caches, self.cpu_pages, self.plan, block_ids, page_ids
+        )
+
+    def load_tensors(self, page_ids: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Launch the load of ``page_ids`` into ``block_ids`` on the current stream."""
+        torch.ops.canonical.canonical_load(
+            self.kv_caches, self.cpu_pages, self.plan, block_ids, page_ids
+        )
+
+    def _ids(self, ids) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor) and ids.device == self.device and ids.dtype == torch.int64:
+            return ids
+        host = torch.as_tensor(
+            np.asarray(ids, dtype=np.int64)
+            if not isinstance(ids, torch.Tensor)
+            else ids.to(torch.int64)
+        )
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _submit(self, kind: str, block_ids, page_ids) -> TransferJob:
+        pages_np = np.asarray(
+            page_ids.cpu() if isinstance(page_ids, torch.Tensor) else page_ids, dtype=np.int64
+        )
+        if kind == "store":
+            counts = np.bincount(pages_np % self._rotation, minlength=self._rotation)
+            num_bytes = int(sum(c * b for c, b in zip(counts, self._store_bytes)))
+        else:
+            num_bytes = len(pages_np) * self._load_bytes
+        job = TransferJob(next(self._job_ids), kind, len(pages_np), num_bytes, time.perf_counter())
+        launch = self.store_tensors if kind == "store" else self.load_tensors
+        if self._stream is None:
+            try:
+                if kind == "store":
+                    launch(self._ids(block_ids), self._ids(page_ids))
+                else:
+                    launch(self._ids(page_ids), self._ids(block_ids))
+            finally:
+                job.finished_at = time.perf_counter()
+            return job
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # KV written by queued compute is complete
+        with torch.cuda.stream(self._stream):
+            blocks, pages = self._ids(block_ids), self._ids(page_ids)
+            if kind == "store":
+                launch(blocks, pages)
+            else:
+                launch(pages, blocks)
+            job._done_event = torch.cuda.Event()
+            job._done_event.record(self._stream)
+        job._keep_alive = (blocks, pages)  # ids must outlive the kernel
+        self._in_flight.append(job)
+        return job
+
+    def store(self, block_ids, page_ids) -> TransferJob:
+        """Store blocks into canonical pages (this rank's elected bytes only)."""
+        return self._submit("store", block_ids, page_ids)
+
+    def load(self, page_ids, block_ids) -> TransferJob:
+        """Load canonical pages into blocks (every byte of each local page)."""
+        return self._submit("load", block_ids, page_ids)
+
+    def _finish(self, job: TransferJob) -> None:
+        job.finished_at = time.perf_counter()
+        job._keep_alive = ()
+        try:
+            check_device_errors(self.plan)
+        except Exception as error:
+            job.error = error
+
+    def poll(self) -> list[TransferJob]:
+        """Jobs finished since the last poll/wait (without blocking)."""
+        finished = [j for j in self._in_flight if j._done_event is None or j._done_event.query()]
+        for job in finished:
+            self._in_flight.remove(job)
+            self._finish(job)
+        return finished
+
+    def wait(self, job: TransferJob) -> TransferJob:
+        """Block until ``job`` is done; raises its device-side error, if any."""
+        if job in self._in_flight:
+            job._done_event.synchronize()
+            self._in_flight.remove(job)
+            self._finish(job)
+        if job.error is not None:
+            raise job.error
+        return job
