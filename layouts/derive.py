@@ -228,9 +228,11 @@ def opaque_fallback_mapping(
     Readable only by the same topology, which is why it is never certified as
     parallelism agnostic.
     """
-    for name, value in (("page_size_bytes", page_size_bytes), ("num_ranks", num_ranks)):
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    # A 0-byte page (a block shorter than one compressed state) is legal, as in vLLM.
+    if page_size_bytes < 0:
+        raise ValueError(f"page_size_bytes: expected an int >= 0, got {page_size_bytes!r}")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank: expected an int in [0, {num_ranks}), got {rank!r}")
     run = CopyRun(0, rank * page_size_bytes, page_size_bytes, 1, page_size_bytes, page_size_bytes)

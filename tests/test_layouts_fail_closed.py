@@ -129,7 +129,8 @@ def test_opaque_fallback_mapping_shape_and_errors() -> None:
     with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 4\)"):
         opaque_fallback_mapping(4096, 4, 4)
     with pytest.raises(ValueError, match="page_size_bytes"):
-        opaque_fallback_mapping(0, 4, 0)
+        opaque_fallback_mapping(-1, 4, 0)
+    assert opaque_fallback_mapping(0, 2, 1).fragments().shape == (1, 3)  # 0-byte page, as vLLM
 
 
 def test_format_id() -> None:
