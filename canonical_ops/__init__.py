@@ -8,7 +8,9 @@ loop), driven by a plan tensor built once by :func:`make_plan` from the
 
 from ._extension import BUILT_WITH_CUDA
 from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
+from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
 from .plan import default_area_offsets, make_plan
+from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
 
 __all__ = [
     "BUILT_WITH_CUDA",
@@ -17,6 +19,15 @@ __all__ = [
     "default_area_offsets",
     "load",
     "make_plan",
+    "OffloadWorker",
+    "PageCapacityError",
+    "PageInfo",
+    "PageManager",
+    "PageState",
+    "PageStateError",
+    "TransferJob",
+    "canonical_row_bytes",
+    "group_layer_mappings",
     "set_sm_budget",
     "store",
 ]

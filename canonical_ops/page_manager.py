@@ -1,0 +1,761 @@
+"""Scheduler-side bookkeeping of canonical pages: block hash -> page, readiness, LRU, pins.
+
+canonical-kv offloads KV-cache blocks into *canonical pages* of a CPU region
+shared by every rank (process) of a tensor-parallel group. A :class:`PageManager`
+decides which canonical page holds which block (by block hash), tracks each
+page through ``free -> pending -> ready`` and evicts least-recently-used ready
+pages when the region is full. It is pure Python (no torch, no I/O) and
+thread-safe: workers report completed stores from other threads.
+
+Page life cycle
+---------------
+``free``
+    Holds nothing; no hash maps to it.
+``pending``
+    :meth:`PageManager.allocate` gave it to a block hash; the elected writer
+    ranks are copying their bytes in. Its hash is known (so a second store of
+    the same block is not started) but it is never served: :meth:`lookup`
+    stops at it and :meth:`acquire` refuses it.
+``ready``
+    Every elected writer has reported (:meth:`PageManager.complete_store`); it
+    may be loaded, and, when no load holds it (refcount 0), evicted.
+
+Why readiness waits for every elected writer
+--------------------------------------------
+A canonical page is assembled from the bytes of several ranks: with sharded
+heads each rank owns a disjoint slice, and with replicated heads or MLA
+latents one *elected* writer per replica set stores the shared bytes (the
+election rotates with the page id, ``mapping.is_writer(page_id)``), possibly a
+different rank for each layer. No single rank's report therefore says the page
+is complete. If the page were served as soon as *some* rank finished, a reader
+could load a page whose other slices still hold a previous block's bytes (or
+garbage): silently wrong KV, with no error anywhere. So a page turns ready only
+when every rank in ``writer_ranks(page_id)`` -- for :meth:`PageManager.from_mappings`
+the ranks that are the elected writer of that page in *any* layer -- has
+reported, and a store that fails or whose writer dies (:meth:`PageManager.fail_store`,
+:meth:`PageManager.reclaim_stale`) sends the page back to ``free``: a
+half-written page is never ready, hence never served.
+
+Recency
+-------
+Only ready pages with refcount 0 are eviction candidates, oldest use first.
+:meth:`~PageManager.lookup` touches the ready prefix it finds, a page turns most
+recent when it becomes ready and again when its last load is released. Batches
+are touched tail first, so the head of a prefix is the most recent and, when a
+whole prefix ages out, its tail blocks (useless without their head) go first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module import-light
+    from layouts import CanonicalPageMapping
+
+__all__ = [
+    "PageCapacityError",
+    "PageInfo",
+    "PageManager",
+    "PageState",
+    "PageStateError",
+]
+
+PageState = Literal["free", "pending", "ready"]
+
+FREE: PageState = "free"
+PENDING: PageState = "pending"
+READY: PageState = "ready"
+
+
+class PageCapacityError(RuntimeError):
+    """Not enough free or evictable pages for an allocation; nothing was allocated.
+
+    Attributes
+    ----------
+    needed : int
+        Pages the allocation needed (new hashes in the request).
+    free : int
+        Free pages at the time of the request.
+    evictable : int
+        Ready pages with refcount 0 that the request could have evicted (pages of
+        hashes in the request itself are not counted: they are never evicted by it).
+    """
+
+    def __init__(self, needed: int, free: int, evictable: int) -> None:
+        self.needed = needed
+        self.free = free
+        self.evictable = evictable
+        super().__init__(
+            f"cannot allocate {needed} canonical page(s): only {free} free and "
+            f"{evictable} evictable (ready, unreferenced) page(s); the other pages are "
+            f"pending stores or held by loads. Nothing was allocated."
+        )
+
+
+class PageStateError(ValueError):
+    """A page id, rank or block hash is not valid for the requested transition.
+
+    Raised for out-of-range page ids or ranks, completing a page that is not
+    pending, completing by a rank that is not an elected writer of the page or
+    that already reported, acquiring a hash that is not ready, and releasing a
+    page that is not acquired. The manager is unchanged when it is raised.
+    """
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    """A consistent snapshot of one canonical page (see :meth:`PageManager.info`).
+
+    Attributes
+    ----------
+    page_id : int
+        The page.
+    state : {"free", "pending", "ready"}
+        Its life-cycle state.
+    block_hash : Hashable | None
+        The block it holds (pending or ready), None when free.
+    refcount : int
+        Loads currently holding it (only ready pages can be held).
+    writers : frozenset[int]
+        Ranks elected to write it (empty when free).
+    pending_writers : frozenset[int]
+        Writers that have not reported yet (empty unless pending).
+    """
+
+    page_id: int
+    state: PageState
+    block_hash: Hashable | None
+    refcount: int
+    writers: frozenset[int]
+    pending_writers: frozenset[int]
+
+
+class _PendingStore:
+    """Mutable record of one in-flight store (guarded by the manager's lock)."""
+
+    __slots__ = ("allocated_at", "remaining", "writers")
+
+    def __init__(self, writers: frozenset[int], allocated_at: float) -> None:
+        self.writers = writers
+        self.remaining = set(writers)
+        self.allocated_at = allocated_at
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+class PageManager:
+    """Maps block hashes to canonical pages and tracks their readiness, pins and recency.
+
+    Parameters
+    ----------
+    num_pages : int
+        Canonical pages in the shared region (page ids ``0 .. num_pages - 1``), >= 1.
+    writer_ranks : Callable[[int], frozenset[int]] | None
+        ``writer_ranks(page_id)``: the ranks that must all report a store of that
+        page before it is ready. Called once per allocation; each result must be
+        a non-empty subset of ``range(num_ranks)``. Default: every rank.
+    num_ranks : int
+        Ranks of the group (valid ``rank`` arguments are ``0 .. num_ranks - 1``), >= 1.
+    clock : Callable[[], float]
+        Monotonic time source stamping allocations for :meth:`reclaim_stale`
+        (default :func:`time.monotonic`).
+
+    Notes
+    -----
+    All methods are atomic under one lock, and every method that raises leaves
+    the manager unchanged (batch operations are all-or-nothing).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        writer_ranks: Callable[[int], frozenset[int]] | None = None,
+        *,
+        num_ranks: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._num_pages = _check_count("num_pages", num_pages, 1)
+        self._num_ranks = _check_count("num_ranks", num_ranks, 1)
+        if writer_ranks is not None and not callable(writer_ranks):
+            raise TypeError(
+                f"writer_ranks: expected a callable or None, got {type(writer_ranks).__name__}"
+            )
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable, got {type(clock).__name__}")
+        everyone = frozenset(range(self._num_ranks))
+        self._writer_ranks: Callable[[int], frozenset[int]] = (
+            writer_ranks if writer_ranks is not None else (lambda _page: everyone)
+        )
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state: list[PageState] = [FREE] * self._num_pages
+        self._hash_of: list[Hashable | None] = [None] * self._num_pages
+        self._refcount: list[int] = [0] * self._num_pages
+        self._writers: list[frozenset[int]] = [frozenset()] * self._num_pages
+        self._page_of: dict[Hashable, int] = {}
+        self._free: deque[int] = deque(range(self._num_pages))
+        self._pending: dict[int, _PendingStore] = {}
+        # Ready pages with refcount 0, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._num_ready = 0
+
+    @classmethod
+    def from_mappings(
+        cls,
+        num_pages: int,
+        layer_group_mappings: Sequence[Sequence[CanonicalPageMapping]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> PageManager:
+        """A manager whose writers of page ``p`` are the ranks electing to write it in any layer.
+
+        Parameters
+        ----------
+        num_pages : int
+            Canonical pages in the shared region, >= 1.
+        layer_group_mappings : Sequence[Sequence[CanonicalPageMapping]]
+            ``layer_group_mappings[l][r]``: layer ``l``'s mapping at rank ``r``,
+            e.g. the result of ``derive_group_mappings`` for each layer. Every
+            layer must list the same number of ranks.
+        clock : Callable[[], float]
+            As for the constructor.
+
+        Returns
+        -------
+        PageManager
+            With ``num_ranks = len(layer_group_mappings[0])`` and
+            ``writer_ranks(p) = {r : any(layer_group_mappings[l][r].is_writer(p) for l)}``,
+            precomputed over one period ``lcm(num_writers)`` of the rotation.
+
+        Raises
+        ------
+        ValueError
+            No layers, a layer with no ranks or a different number of ranks, or
+            a layer where some page has no elected writer (its bytes would never
+            be stored, so the page could never honestly be ready).
+        """
+        groups = [tuple(group) for group in layer_group_mappings]
+        if not groups:
+            raise ValueError("layer_group_mappings: expected at least one layer, got none")
+        num_ranks = len(groups[0])
+        if num_ranks == 0:
+            raise ValueError("layer_group_mappings[0]: expected at least one rank, got none")
+        for layer, group in enumerate(groups):
+            if len(group) != num_ranks:
+                raise ValueError(
+                    f"layer_group_mappings[{layer}]: expected {num_ranks} ranks "
+                    f"(as layer 0), got {len(group)}"
+                )
+            for rank, mapping in enumerate(group):
+                writers = getattr(mapping, "num_writers", None)
+                if isinstance(writers, bool) or not isinstance(writers, int) or writers < 1:
+                    raise ValueError(
+                        f"layer_group_mappings[{layer}][{rank}]: expected a "
+                        f"CanonicalPageMapping with num_writers >= 1, got {mapping!r}"
+                    )
+        period = math.lcm(*(m.num_writers for group in groups for m in group))
+        table: list[frozenset[int]] = []
+        for residue in range(period):
+            ranks: set[int] = set()
+            for layer, group in enumerate(groups):
+                layer_writers = {r for r, m in enumerate(group) if m.is_writer(residue)}
+                if not layer_writers:
+                    raise ValueError(
+                        f"layer_group_mappings[{layer}]: no rank is the elected writer of "
+                        f"pages {residue} mod {period}; these pages could never be complete"
+                    )
+                ranks |= layer_writers
+            table.append(frozenset(ranks))
+        table_t = tuple(table)
+
+        def writer_ranks(page_id: int) -> frozenset[int]:
+            return table_t[page_id % period]
+
+        return cls(num_pages, writer_ranks, num_ranks=num_ranks, clock=clock)
+
+    # ----------------------------------------------------------------- properties
+
+    @property
+    def num_pages(self) -> int:
+        """Canonical pages managed."""
+        return self._num_pages
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the group."""
+        return self._num_ranks
+
+    @property
+    def num_free(self) -> int:
+        """Pages holding nothing."""
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_pending(self) -> int:
+        """Pages allocated to a hash whose store is not complete yet."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def num_ready(self) -> int:
+        """Pages fully stored by every elected writer."""
+        with self._lock:
+            return self._num_ready
+
+    @property
+    def num_evictable(self) -> int:
+        """Ready pages with refcount 0 (eviction candidates)."""
+        with self._lock:
+            return len(self._evictable)
+
+    # ----------------------------------------------------------------- validation
+
+    def _check_page(self, page_id: object, name: str = "page_id") -> int:
+        if isinstance(page_id, bool) or not isinstance(page_id, int):
+            raise PageStateError(f"{name}: expected an int page id, got {page_id!r}")
+        if not 0 <= page_id < self._num_pages:
+            raise PageStateError(
+                f"{name}: unknown page id {page_id}, expected an int in [0, {self._num_pages})"
+            )
+        return page_id
+
+    def _check_rank(self, rank: object) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise PageStateError(f"rank: expected an int, got {rank!r}")
+        if not 0 <= rank < self._num_ranks:
+            raise PageStateError(f"rank: expected an int in [0, {self._num_ranks}), got {rank}")
+        return rank
+
+    @staticmethod
+    def _hashes(block_hashes: Iterable[Hashable]) -> list[Hashable]:
+        if isinstance(block_hashes, (str, bytes)):
+            raise TypeError(
+                "block_hashes: expected a sequence of block hashes, got a single "
+                f"{type(block_hashes).__name__}; wrap it in a list"
+            )
+        hashes = list(block_hashes)
+        for i, block_hash in enumerate(hashes):
+            if block_hash is None:
+                raise ValueError(f"block_hashes[{i}]: None is not a block hash")
+            try:
+                hash(block_hash)
+            except TypeError:
+                raise TypeError(
+                    f"block_hashes[{i}]: expected a hashable, got {type(block_hash).__name__}"
+                ) from None
+        return hashes
+
+    def _writers_for(self, page_id: int) -> frozenset[int]:
+        result = self._writer_ranks(page_id)
+        try:
+            writers = frozenset(result)
+        except TypeError:
+            raise TypeError(
+                f"writer_ranks({page_id}): expected a set of ranks, got {type(result).__name__}"
+            ) from None
+        if not writers:
+            raise ValueError(
+                f"writer_ranks({page_id}): returned no rank; the page could never be ready"
+            )
+        bad = sorted(
+            (
+                r
+                for r in writers
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self._num_ranks
+            ),
+            key=repr,
+        )
+        if bad:
+            raise ValueError(
+                f"writer_ranks({page_id}): ranks must be ints in [0, {self._num_ranks}), "
+                f"got {bad!r}"
+            )
+        return writers
+
+    # ----------------------------------------------------------------- scheduler API
+
+    def lookup(self, block_hashes: Iterable[Hashable]) -> int:
+        """Length of the longest prefix of ``block_hashes`` whose pages are ready.
+
+        The pages of that prefix are touched (most recently used, the head of
+        the prefix most recent of all). Pending pages end the prefix: they are
+        not loadable yet.
+
+        Parameters
+        ----------
+        block_hashes : Iterable[Hashable]
+            Hashes of consecutive blocks of a request, first block first.
+
+        Returns
+        -------
+        int
+            Number of leading hashes that are ready (0 .. len(block_hashes)).
+        """
+        hashes = self._hashes(block_hashes)
+        with self._lock:
+            prefix: list[int] = []
+            for block_hash in hashes:
+                page = self._page_of.get(block_hash)
+                if page is None or self._state[page] != READY:
+                    break
+                prefix.append(page)
+            for page in reversed(prefix):
+                if page in self._evictable:
+                    self._evictable.move_to_end(page)
+            return len(prefix)
+
+    def allocate(self, block_hashes: Iterable[Hashable]) -> list[int | None]:
+        """Pages to store ``block_hashes`` into; new pages start ``pending``.
+
+        Parameters
+        ----------
+        block_hashes : Iterable[Hashable]
+            Hashes of the blocks to store.
+
+        Returns
+        -------
+        list[int | None]
+            Aligned with ``block_hashes``: a fresh page id for each hash that is
+            neither pending nor ready (its store should go ahead), and None for
+            a hash already present -- pending or ready -- or repeated earlier in
+            the same call (nothing to store). Present hashes are not touched.
+
+        Raises
+        ------
+        PageCapacityError
+            When the new hashes need more pages than there are free pages plus
+            evictable ones (ready, refcount 0, and not holding a hash of this
+            request). Nothing is allocated or evicted then.
+
+        Notes
+        -----
+        Free pages are used first, then least-recently-used evictable pages
+        (their hashes are forgotten). Pinned (acquired) and pending pages are
+        never evicted.
+        """
+        hashes = self._hashes(block_hashes)
+        with self._lock:
+            new: list[int] = []  # indices into hashes that need a page
+            seen: set[Hashable] = set()
+            for i, block_hash in enumerate(hashes):
+                if block_hash in self._page_of or block_hash in seen:
+                    continue
+                seen.add(block_hash)
+                new.append(i)
+            if not new:
+                return [None] * len(hashes)
+            protected = {self._page_of[h] for h in hashes if h in self._page_of}
+            num_from_free = min(len(new), len(self._free))
+            victims: list[int] = []
+            if len(new) > num_from_free:
+                wanted = len(new) - num_from_free
+                for page in self._evictable:
+                    if page not in protected:
+                        victims.append(page)
+                        if len(victims) == wanted:
+                            break
+                if len(victims) < wanted:
+                    evictable = sum(1 for p in self._evictable if p not in protected)
+                    raise PageCapacityError(len(new), len(self._free), evictable)
+            pages = list(itertools.islice(self._free, num_from_free)) + victims
+            # Ask for the writers before changing anything: a bad writer_ranks result
+            # raises with the manager untouched.
+            writers = [self._writers_for(page) for page in pages]
+            now = self._clock()
+            for _ in range(num_from_free):
+                self._free.popleft()
+            for page in victims:
+                del self._evictable[page]
+                del self._page_of[self._hash_of[page]]
+                self._num_ready -= 1
+            out: list[int | None] = [None] * len(hashes)
+            for i, page, page_writers in zip(new, pages, writers):
+                block_hash = hashes[i]
+                self._state[page] = PENDING
+                self._hash_of[page] = block_hash
+                self._page_of[block_hash] = page
+                self._writers[page] = page_writers
+                self._pending[page] = _PendingStore(page_writers, now)
+                out[i] = page
+            return out
+
+    def complete_store(self, page_id: int, rank: int) -> bool:
+        """Record that ``rank`` finished storing its bytes of pending page ``page_id``.
+
+        Parameters
+        ----------
+        page_id : int
+            A pending page.
+        rank : int
+            The reporting rank; must be one of the page's elected writers that
+            has not reported yet.
+
+        Returns
+        -------
+        bool
+            True when this report made the page ready (every writer has reported).
+
+        Raises
+        ------
+        PageStateError
+            Unknown page id or rank, page not pending (free, ready, or failed
+            meanwhile), rank not an elected writer of the page, or a second
+            report by the same rank.
+        """
+        page = self._check_page(page_id)
+        rank = self._check_rank(rank)
+        with self._lock:
+            store = self._pending.get(page)
+            if store is None:
+                raise PageStateError(
+                    f"page_id: page {page} is {self._state[page]}, not pending; "
+                    "its store was never allocated, already completed, or failed"
+                )
+            if rank not in store.writers:
+                raise PageStateError(
+                    f"rank: rank {rank} is not an elected writer of page {page} "
+                    f"(writers: {sorted(store.writers)})"
+                )
+            if rank not in store.remaining:
+                raise PageStateError(f"rank: rank {rank} already reported page {page}")
+            store.remaining.discard(rank)
+            if store.remaining:
+                return False
+            del self._pending[page]
+            self._state[page] = READY
+            self._num_ready += 1
+            self._evictable[page] = None  # most recently used
+            return True
+
+    def fail_store(self, page_ids: Iterable[int]) -> list[int]:
+        """Abandon the stores of ``page_ids``: pending ones go back to free, hashes forgotten.
+
+        For a store that failed or whose writer rank died. Pages that are not
+        pending (free, or ready because every writer had already reported) are
+        left as they are, so reporting every in-flight page of a dead rank is safe.
+
+        Parameters
+        ----------
+        page_ids : Iterable[int]
+            Pages whose store failed; every id must be in range.
+
+        Returns
+        -------
+        list[int]
+            The pages that were pending and are now free, in the given order.
+
+        Raises
+        ------
+        PageStateError
+            A page id out of range (nothing is failed then).
+        """
+        pages = [self._check_page(p, f"page_ids[{i}]") for i, p in enumerate(page_ids)]
+        with self._lock:
+            return self._fail_locked(pages)
+
+    def _fail_locked(self, pages: Iterable[int]) -> list[int]:
+        failed = []
+        for page in pages:
+            if self._pending.pop(page, None) is None:
+                continue
+            del self._page_of[self._hash_of[page]]
+            self._hash_of[page] = None
+            self._writers[page] = frozenset()
+            self._state[page] = FREE
+            self._free.append(page)
+            failed.append(page)
+        return failed
+
+    def reclaim_stale(self, max_age_s: float, now: float | None = None) -> list[int]:
+        """Fail every pending page allocated more than ``max_age_s`` seconds ago.
+
+        A page whose writer was killed mid-store never gets its last report;
+        this frees it (it never becomes ready, so it is never served). Ready,
+        free and younger pending pages are not affected.
+
+        Parameters
+        ----------
+        max_age_s : float
+            Age (seconds, >= 0) beyond which a pending store is presumed dead.
+            Choose it well above any live store's duration: a writer that is
+            merely slow and reports after its page was reclaimed and handed to
+            another block would be indistinguishable from that block's writer.
+        now : float | None
+            Current time on the manager's clock; default ``clock()``.
+
+        Returns
+        -------
+        list[int]
+            The reclaimed (now free) pages, ascending.
+        """
+        if isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float)):
+            raise TypeError(f"max_age_s: expected a number, got {type(max_age_s).__name__}")
+        if not max_age_s >= 0:  # also rejects NaN
+            raise ValueError(f"max_age_s: expected a number >= 0, got {max_age_s!r}")
+        with self._lock:
+            t = self._clock() if now is None else float(now)
+            stale = sorted(
+                page for page, store in self._pending.items() if t - store.allocated_at > max_age_s
+            )
+            return self._fail_locked(stale)
+
+    def acquire(self, block_hashes: Iterable[Hashable]) -> list[int]:
+        """Pin the ready pages of ``block_hashes`` for a load (refcount +1 each).
+
+        Pinned pages are never evicted until :meth:`release`.
+
+        Returns
+        -------
+        list[int]
+            Page ids aligned with ``block_hashes``.
+
+        Raises
+        ------
+        PageStateError
+            If any hash is unknown or its page is still pending (nothing is pinned).
+        """
+        hashes = self._hashes(block_hashes)
+        with self._lock:
+            pages = []
+            for i, block_hash in enumerate(hashes):
+                page = self._page_of.get(block_hash)
+                if page is None or self._state[page] != READY:
+                    state = "unknown" if page is None else f"pending (page {page})"
+                    raise PageStateError(
+                        f"block_hashes[{i}]: block {block_hash!r} is {state}, not ready; "
+                        "acquire only a prefix reported by lookup()"
+                    )
+                pages.append(page)
+            for page in pages:
+                self._refcount[page] += 1
+                self._evictable.pop(page, None)
+            return pages
+
+    def release(self, page_ids: Iterable[int]) -> None:
+        """Unpin pages acquired by :meth:`acquire` (refcount -1 each).
+
+        A page whose refcount drops to 0 becomes evictable as the most recently
+        used (the first of ``page_ids`` most recent of all).
+
+        Raises
+        ------
+        PageStateError
+            A page id out of range, or released more often than acquired
+            (counting repeats in ``page_ids``); nothing is released then.
+        """
+        pages = [self._check_page(p, f"page_ids[{i}]") for i, p in enumerate(page_ids)]
+        with self._lock:
+            counts: dict[int, int] = {}
+            for page in pages:
+                counts[page] = counts.get(page, 0) + 1
+            for page, count in counts.items():
+                if count > self._refcount[page]:
+                    raise PageStateError(
+                        f"page_ids: page {page} released {count} time(s) but held by "
+                        f"{self._refcount[page]} acquire(s)"
+                    )
+            for page in reversed(pages):
+                self._refcount[page] -= 1
+                if self._refcount[page] == 0:
+                    self._evictable[page] = None
+                    self._evictable.move_to_end(page)
+
+    # ----------------------------------------------------------------- introspection
+
+    def state(self, page_id: int) -> PageState:
+        """``"free"``, ``"pending"`` or ``"ready"``."""
+        page = self._check_page(page_id)
+        with self._lock:
+            return self._state[page]
+
+    def page_of(self, block_hash: Hashable) -> int | None:
+        """The page holding ``block_hash`` (pending or ready), or None."""
+        with self._lock:
+            return self._page_of.get(block_hash)
+
+    def hash_of(self, page_id: int) -> Hashable | None:
+        """The block hash page ``page_id`` holds (pending or ready), or None when free."""
+        page = self._check_page(page_id)
+        with self._lock:
+            return self._hash_of[page]
+
+    def refcount(self, page_id: int) -> int:
+        """Loads currently holding page ``page_id``."""
+        page = self._check_page(page_id)
+        with self._lock:
+            return self._refcount[page]
+
+    def writer_ranks(self, page_id: int) -> frozenset[int]:
+        """Ranks that must all report a store of page ``page_id`` before it is ready."""
+        page = self._check_page(page_id)
+        with self._lock:
+            if self._state[page] != FREE:
+                return self._writers[page]
+        return self._writers_for(page)
+
+    def pending_writers(self, page_id: int) -> frozenset[int]:
+        """Ranks that still have to report the store of pending page ``page_id``.
+
+        Raises
+        ------
+        PageStateError
+            If the page is not pending.
+        """
+        page = self._check_page(page_id)
+        with self._lock:
+            store = self._pending.get(page)
+            if store is None:
+                raise PageStateError(f"page_id: page {page} is {self._state[page]}, not pending")
+            return frozenset(store.remaining)
+
+    def info(self, page_id: int) -> PageInfo:
+        """A consistent snapshot of page ``page_id``."""
+        page = self._check_page(page_id)
+        with self._lock:
+            store = self._pending.get(page)
+            return PageInfo(
+                page_id=page,
+                state=self._state[page],
+                block_hash=self._hash_of[page],
+                refcount=self._refcount[page],
+                writers=self._writers[page],
+                pending_writers=frozenset(store.remaining) if store else frozenset(),
+            )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the internal bookkeeping is inconsistent (for tests)."""
+        with self._lock:
+            states = self._state
+            n_free = sum(s == FREE for s in states)
+            n_pending = sum(s == PENDING for s in states)
+            n_ready = sum(s == READY for s in states)
+            assert n_free + n_pending + n_ready == self._num_pages
+            assert n_free == len(self._free) == len(set(self._free))
+            assert n_pending == len(self._pending)
+            assert n_ready == self._num_ready
+            assert len(self._page_of) == n_pending + n_ready
+            for block_hash, page in self._page_of.items():
+                assert self._hash_of[page] == block_hash and states[page] != FREE
+            for page in range(self._num_pages):
+                state = states[page]
+                assert (self._hash_of[page] is None) == (state == FREE)
+                assert (page in self._pending) == (state == PENDING)
+                assert (page in self._evictable) == (state == READY and not self._refcount[page])
+                assert self._refcount[page] >= 0
+                assert state == READY or self._refcount[page] == 0
+            for page in self._free:
+                assert states[page] == FREE

@@ -1,0 +1,707 @@
+"""PageManager: readiness after every elected writer, prefix lookup, LRU, pins, failures."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections import Counter, OrderedDict
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from canonical_ops.page_manager import (
+    PageCapacityError,
+    PageInfo,
+    PageManager,
+    PageStateError,
+)
+from layouts import LayerSpec, derive_group_mappings, opaque_fallback_mapping
+
+# --------------------------------------------------------------------------- helpers
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gqa(heads_per_rank: int = 1) -> LayerSpec:
+    return LayerSpec("full", 16, heads_per_rank, 128, "bfloat16", "packed", "NHD")
+
+
+def mla() -> LayerSpec:
+    return LayerSpec("mla", 16, 1, 576, "bfloat16", "packed", "NHD")
+
+
+def gqa2_tp4():
+    """2 KV heads at TP 4: each head replicated on 2 ranks, writers rotate by page."""
+    return derive_group_mappings(gqa(1), tp_size=4, total_kv_heads=2)
+
+
+def mla_tp4(dcp: int = 1):
+    return derive_group_mappings(mla(), tp_size=4, total_kv_heads=1, dcp_size=dcp)
+
+
+def sharded_tp4():
+    """8 KV heads at TP 4: every rank owns distinct heads, so every rank writes every page."""
+    return derive_group_mappings(gqa(2), tp_size=4, total_kv_heads=8)
+
+
+def store_all(pm: PageManager, block_hashes) -> list[int]:
+    """Allocate and fully complete a store of ``block_hashes``; return their pages."""
+    pages = pm.allocate(block_hashes)
+    for page in pages:
+        assert page is not None
+        for rank in sorted(pm.writer_ranks(page)):
+            pm.complete_store(page, rank)
+    return pages
+
+
+def snapshot(pm: PageManager):
+    return [pm.info(p) for p in range(pm.num_pages)], pm.num_free, pm.num_evictable
+
+
+# --------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_pages": 0}, ValueError, "num_pages"),
+        ({"num_pages": -3}, ValueError, "num_pages"),
+        ({"num_pages": 2.0}, TypeError, "num_pages"),
+        ({"num_pages": True}, TypeError, "num_pages"),
+        ({"num_pages": 4, "num_ranks": 0}, ValueError, "num_ranks"),
+        ({"num_pages": 4, "writer_ranks": {0, 1}}, TypeError, "writer_ranks"),
+    ],
+)
+def test_constructor_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PageManager(**kwargs)
+
+
+def test_default_writers_are_all_ranks():
+    pm = PageManager(3, num_ranks=3)
+    (page,) = pm.allocate([b"a"])
+    assert pm.writer_ranks(page) == frozenset({0, 1, 2})
+    assert pm.complete_store(page, 2) is False
+    assert pm.complete_store(page, 0) is False
+    assert pm.state(page) == "pending" and pm.lookup([b"a"]) == 0
+    assert pm.complete_store(page, 1) is True
+    assert pm.state(page) == "ready" and pm.lookup([b"a"]) == 1
+    single = PageManager(1)
+    (page,) = single.allocate([7])
+    assert single.complete_store(page, 0) is True
+
+
+def test_from_mappings_validation():
+    with pytest.raises(ValueError, match="at least one layer"):
+        PageManager.from_mappings(4, [])
+    with pytest.raises(ValueError, match=r"layer_group_mappings\[0\]"):
+        PageManager.from_mappings(4, [()])
+    with pytest.raises(ValueError, match=r"layer_group_mappings\[1\]: expected 4 ranks"):
+        PageManager.from_mappings(4, [gqa2_tp4(), mla_tp4()[:2]])
+    with pytest.raises(ValueError, match=r"layer_group_mappings\[0\]\[1\]"):
+        PageManager.from_mappings(4, [(gqa2_tp4()[0], object())])
+    # A layer where pages 1 mod 2 have no elected writer could never be complete.
+    lonely = (mla_tp4(dcp=2)[0],) * 2  # both ranks are writer 0 of 2
+    with pytest.raises(ValueError, match="no rank is the elected writer"):
+        PageManager.from_mappings(4, [lonely])
+    with pytest.raises(ValueError, match="num_pages"):
+        PageManager.from_mappings(0, [gqa2_tp4()])
+
+
+# --------------------------------------------------------------------------- real mappings
+
+
+def test_replicated_gqa_writers_rotate_per_page():
+    mappings = gqa2_tp4()
+    assert [m.num_writers for m in mappings] == [2, 2, 2, 2]
+    pm = PageManager.from_mappings(8, [mappings])
+    assert pm.num_ranks == 4
+    for page in range(8):
+        expected = frozenset({0, 2}) if page % 2 == 0 else frozenset({1, 3})
+        assert pm.writer_ranks(page) == expected
+        assert expected == {r for r, m in enumerate(mappings) if m.is_writer(page)}
+
+    even, odd = pm.allocate([b"h0", b"h1"])
+    assert (even, odd) == (0, 1)
+    with pytest.raises(PageStateError, match="not an elected writer"):
+        pm.complete_store(even, 1)
+    assert pm.complete_store(even, 0) is False
+    assert pm.pending_writers(even) == frozenset({2})
+    assert pm.state(even) == "pending"
+    assert pm.lookup([b"h0", b"h1"]) == 0
+    assert pm.complete_store(even, 2) is True
+    assert pm.lookup([b"h0", b"h1"]) == 1
+    assert pm.complete_store(odd, 3) is False
+    assert pm.complete_store(odd, 1) is True
+    assert pm.lookup([b"h0", b"h1"]) == 2
+
+
+def test_mla_single_writer_per_page():
+    mappings = mla_tp4()
+    pm = PageManager.from_mappings(8, [mappings])
+    pages = pm.allocate([f"b{i}" for i in range(8)])
+    for page in pages:
+        assert pm.writer_ranks(page) == frozenset({page % 4})
+        for other in set(range(4)) - {page % 4}:
+            with pytest.raises(PageStateError, match="not an elected writer"):
+                pm.complete_store(page, other)
+        assert pm.complete_store(page, page % 4) is True
+    assert pm.num_ready == 8
+
+
+def test_mixed_layers_take_the_union_of_writers():
+    layers = [gqa2_tp4(), mla_tp4(dcp=2), gqa2_tp4()]
+    pm = PageManager.from_mappings(12, layers)
+    period = math.lcm(*(m.num_writers for layer in layers for m in layer))
+    for page in range(12):
+        expected = {r for layer in layers for r, m in enumerate(layer) if m.is_writer(page)}
+        assert pm.writer_ranks(page) == frozenset(expected)
+        assert pm.writer_ranks(page) == pm.writer_ranks(page % period)
+    # GQA: {0,2} / {1,3}; MLA with DCP 2: {0,1} / {2,3}.
+    assert pm.writer_ranks(0) == frozenset({0, 1, 2})
+    assert pm.writer_ranks(1) == frozenset({1, 2, 3})
+
+    (page,) = pm.allocate(["x"])
+    assert page == 0
+    assert not pm.complete_store(page, 0)
+    assert not pm.complete_store(page, 2)  # all GQA bytes are in; the MLA half of rank 1 is not
+    assert pm.lookup(["x"]) == 0
+    assert pm.complete_store(page, 1)
+    assert pm.lookup(["x"]) == 1
+
+    with_sharded = PageManager.from_mappings(4, [mla_tp4(), sharded_tp4()])
+    assert all(with_sharded.writer_ranks(p) == frozenset(range(4)) for p in range(4))
+
+
+def test_opaque_fallback_needs_every_rank():
+    group = tuple(opaque_fallback_mapping(4096, 4, r) for r in range(4))
+    pm = PageManager.from_mappings(2, [group, mla_tp4()])
+    assert pm.writer_ranks(0) == pm.writer_ranks(1) == frozenset(range(4))
+
+
+# --------------------------------------------------------------------------- lookup and allocate
+
+
+def test_lookup_longest_ready_prefix():
+    pm = PageManager(8, num_ranks=2)
+    store_all(pm, ["a", "b"])
+    (pending,) = pm.allocate(["c"])
+    store_all(pm, ["d"])
+    assert pm.lookup([]) == 0
+    assert pm.lookup(["a", "b", "c", "d"]) == 2  # pending "c" ends the prefix
+    assert pm.lookup(["a", "zz", "b"]) == 1  # unknown hash ends it
+    assert pm.lookup(["zz", "a"]) == 0
+    assert pm.lookup(["d"]) == 1
+    pm.complete_store(pending, 0)
+    pm.complete_store(pending, 1)
+    assert pm.lookup(iter(["a", "b", "c", "d"])) == 4
+
+
+def test_allocate_aligns_none_for_present_and_repeated_hashes():
+    pm = PageManager(8, num_ranks=2)
+    (ready,) = store_all(pm, ["r"])
+    (pending,) = pm.allocate(["p"])
+    out = pm.allocate(["n1", "r", "p", "n1", "n2"])
+    assert out[1:4] == [None, None, None]
+    assert None not in (out[0], out[4]) and out[0] != out[4]
+    assert {ready, pending}.isdisjoint({out[0], out[4]})
+    assert pm.state(out[0]) == pm.state(out[4]) == "pending"
+    assert pm.page_of("n1") == out[0] and pm.hash_of(out[4]) == "n2"
+    assert pm.allocate(["r", "p"]) == [None, None]
+    assert pm.allocate([]) == []
+    assert pm.num_pending == 3 and pm.num_ready == 1 and pm.num_free == 4
+
+
+def test_allocate_rejects_bad_hashes():
+    pm = PageManager(4)
+    with pytest.raises(TypeError, match="single bytes"):
+        pm.allocate(b"abc")
+    with pytest.raises(ValueError, match=r"block_hashes\[1\]: None"):
+        pm.allocate(["a", None])
+    with pytest.raises(TypeError, match=r"block_hashes\[0\]: expected a hashable"):
+        pm.allocate([["unhashable"]])
+    assert pm.num_free == 4
+
+
+def test_lru_evicts_least_recently_used_ready_pages():
+    pm = PageManager(4)
+    pages = dict(zip("abcd", store_all(pm, list("abcd"))))  # ready in order a, b, c, d
+    assert pm.num_free == 0
+    assert pm.lookup(["a"]) == 1  # a is now the most recent: LRU order b, c, d, a
+    (e,) = pm.allocate(["e"])
+    assert e == pages["b"] and pm.page_of("b") is None and pm.hash_of(e) == "e"
+    assert pm.lookup(["b"]) == 0
+    # Two more evict c then d, never the touched a nor the pending e.
+    f, g = pm.allocate(["f", "g"])
+    assert {f, g} == {pages["c"], pages["d"]}
+    assert pm.page_of("a") == pages["a"] and pm.state(e) == "pending"
+    with pytest.raises(PageCapacityError):
+        pm.allocate(["h", "i"])  # only a is evictable; e, f, g are pending
+
+
+def test_lookup_touches_prefix_tail_first():
+    pm = PageManager(3)
+    store_all(pm, ["x", "y", "z"])
+    pm.lookup(["z", "y", "x"])  # head z most recent; order x, y, z (tail x oldest)
+    (page,) = pm.allocate(["n"])
+    assert pm.page_of("x") is None and pm.hash_of(page) == "n"
+    (page,) = pm.allocate(["m"])
+    assert pm.page_of("y") is None and pm.page_of("z") is not None
+
+
+def test_allocate_never_evicts_hashes_of_its_own_request():
+    pm = PageManager(2)
+    store_all(pm, ["old", "keep"])
+    pm.lookup(["old"])  # keep is now the least recently used
+    out = pm.allocate(["keep", "new"])
+    assert out[0] is None and pm.page_of("keep") is not None and pm.page_of("old") is None
+    with pytest.raises(PageCapacityError) as info:
+        pm.allocate(["keep", "new", "newer"])
+    assert (info.value.needed, info.value.free, info.value.evictable) == (1, 0, 0)
+
+
+def test_refcount_protects_pages_from_eviction():
+    pm = PageManager(3)
+    a, b, c = store_all(pm, ["a", "b", "c"])
+    assert pm.acquire(["a", "b"]) == [a, b]
+    assert pm.refcount(a) == 1 and pm.num_evictable == 1
+    (d,) = pm.allocate(["d"])
+    assert d == c  # a and b are older but pinned
+    before = snapshot(pm)
+    with pytest.raises(PageCapacityError, match="0 free and 0 evictable"):
+        pm.allocate(["e"])
+    assert snapshot(pm) == before
+    pm.release([b])  # b evictable again, a still pinned
+    (e,) = pm.allocate(["e"])
+    assert e == b and pm.page_of("a") == a and pm.state(a) == "ready"
+    pm.release([a])
+    assert pm.refcount(a) == 0 and pm.num_evictable == 1
+
+
+def test_acquire_twice_needs_two_releases():
+    pm = PageManager(2)
+    (a,) = store_all(pm, ["a"])
+    assert pm.acquire(["a", "a"]) == [a, a]
+    assert pm.acquire(["a"]) == [a]
+    assert pm.refcount(a) == 3
+    with pytest.raises(PageStateError, match="released 4 time"):
+        pm.release([a, a, a, a])
+    assert pm.refcount(a) == 3
+    pm.release([a, a])
+    pm.release([a])
+    with pytest.raises(PageStateError, match="held by 0"):
+        pm.release([a])
+
+
+def test_capacity_error_allocates_nothing():
+    pm = PageManager(4, num_ranks=2)
+    store_all(pm, ["r1", "r2"])
+    pm.acquire(["r2"])
+    pm.allocate(["p"])  # one free page left; r1 evictable; r2 pinned; p pending
+    before = snapshot(pm)
+    with pytest.raises(PageCapacityError) as info:
+        pm.allocate(["x", "y", "z", "r1"])
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert (err.needed, err.free, err.evictable) == (3, 1, 0)  # r1 is in the request
+    assert "3 canonical page(s)" in str(err) and "Nothing was allocated" in str(err)
+    with pytest.raises(PageCapacityError) as info:
+        pm.allocate(["x", "y", "z"])
+    assert (info.value.needed, info.value.free, info.value.evictable) == (3, 1, 1)
+    assert snapshot(pm) == before
+    assert pm.page_of("x") is None and pm.lookup(["r1"]) == 1
+    assert pm.allocate(["x", "y"]) != [None, None]  # exactly fits: free page + r1
+
+
+# --------------------------------------------------------------------------- completion errors
+
+
+def test_complete_store_errors():
+    pm = PageManager.from_mappings(4, [gqa2_tp4()])
+    (page,) = pm.allocate(["a"])
+    with pytest.raises(PageStateError, match="page_id: unknown page id 4"):
+        pm.complete_store(4, 0)
+    with pytest.raises(PageStateError, match="page_id: unknown page id -1"):
+        pm.complete_store(-1, 0)
+    with pytest.raises(PageStateError, match="page_id: expected an int"):
+        pm.complete_store("0", 0)
+    with pytest.raises(PageStateError, match=r"rank: expected an int in \[0, 4\), got 4"):
+        pm.complete_store(page, 4)
+    with pytest.raises(PageStateError, match="rank: expected an int"):
+        pm.complete_store(page, True)
+    with pytest.raises(PageStateError, match="page 1 is free, not pending"):
+        pm.complete_store(1, 1)
+    with pytest.raises(
+        PageStateError, match=r"not an elected writer of page 0 \(writers: \[0, 2\]"
+    ):
+        pm.complete_store(page, 3)
+    assert pm.complete_store(page, 0) is False
+    with pytest.raises(PageStateError, match="rank 0 already reported page 0"):
+        pm.complete_store(page, 0)
+    assert pm.pending_writers(page) == frozenset({2})
+    assert pm.complete_store(page, 2) is True
+    with pytest.raises(PageStateError, match="page 0 is ready, not pending"):
+        pm.complete_store(page, 2)
+    with pytest.raises(PageStateError, match="not pending"):
+        pm.pending_writers(page)
+    assert isinstance(PageStateError("x"), ValueError)
+
+
+def test_bad_writer_ranks_callable_is_reported_and_allocates_nothing():
+    pm = PageManager(4, lambda p: frozenset() if p == 1 else frozenset({0}), num_ranks=2)
+    with pytest.raises(ValueError, match=r"writer_ranks\(1\): returned no rank"):
+        pm.allocate(["a", "b"])
+    assert pm.num_free == 4 and pm.page_of("a") is None
+    pm = PageManager(4, lambda p: {p}, num_ranks=2)
+    assert pm.allocate(["a", "b"]) == [0, 1]  # a plain set is accepted
+    with pytest.raises(ValueError, match=r"writer_ranks\(2\): ranks must be ints in \[0, 2\)"):
+        pm.allocate(["c"])
+    assert pm.num_free == 2
+
+
+def test_acquire_refuses_pending_and_unknown_hashes():
+    pm = PageManager(4, num_ranks=2)
+    (a,) = store_all(pm, ["a"])
+    pm.allocate(["p"])
+    with pytest.raises(PageStateError, match=r"block_hashes\[1\].*pending"):
+        pm.acquire(["a", "p"])
+    with pytest.raises(PageStateError, match=r"block_hashes\[1\].*unknown"):
+        pm.acquire(["a", "zz"])
+    assert pm.refcount(a) == 0 and pm.num_evictable == 1
+    with pytest.raises(PageStateError, match=r"page_ids\[0\]: unknown page id 9"):
+        pm.release([9])
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_fail_store_frees_pending_pages_only():
+    pm = PageManager(4, num_ranks=2)
+    (ready,) = store_all(pm, ["r"])
+    p1, p2 = pm.allocate(["p1", "p2"])
+    pm.complete_store(p1, 0)
+    free_page = next(p for p in range(4) if pm.state(p) == "free")
+    with pytest.raises(PageStateError, match=r"page_ids\[1\]: unknown page id 7"):
+        pm.fail_store([p1, 7])
+    assert pm.state(p1) == "pending"  # nothing failed
+    assert pm.fail_store([ready, p1, free_page, p1]) == [p1]
+    assert pm.state(p1) == "free" and pm.page_of("p1") is None and pm.hash_of(p1) is None
+    assert pm.state(ready) == "ready" and pm.state(p2) == "pending"
+    with pytest.raises(PageStateError, match="not pending"):
+        pm.complete_store(p1, 1)  # the late report of the failed store
+    assert pm.lookup(["p1"]) == 0
+    # The hash can be stored again from scratch.
+    (again,) = pm.allocate(["p1"])
+    assert pm.pending_writers(again) == frozenset({0, 1})
+    assert pm.num_free + pm.num_pending + pm.num_ready == 4
+
+
+def test_reclaim_stale_dead_writer_page_is_never_ready():
+    clock = FakeClock(1000.0)
+    pm = PageManager.from_mappings(6, [gqa2_tp4()], clock=clock)
+    dead, done = pm.allocate(["dead", "done"])  # pages 0 (ranks 0, 2), 1 (ranks 1, 3)
+    pm.complete_store(dead, 0)  # rank 2 is SIGKILLed before reporting
+    pm.complete_store(done, 1)
+    pm.complete_store(done, 3)
+    clock.t = 1005.0
+    (young,) = pm.allocate(["young"])
+    pm.complete_store(young, 0)
+    pm.acquire(["done"])
+
+    with pytest.raises(ValueError, match="max_age_s"):
+        pm.reclaim_stale(-1.0)
+    with pytest.raises(ValueError, match="max_age_s"):
+        pm.reclaim_stale(float("nan"))
+    with pytest.raises(TypeError, match="max_age_s"):
+        pm.reclaim_stale(True)
+    assert pm.reclaim_stale(10.0) == []  # now = clock() = 1005: nothing is 10 s old
+    assert pm.reclaim_stale(5.0, now=1005.0) == []  # exactly 5 s old is not "older"
+    assert pm.reclaim_stale(4.0) == [dead]
+    assert pm.state(dead) == "free" and pm.page_of("dead") is None
+    assert pm.lookup(["dead"]) == 0
+    with pytest.raises(PageStateError):
+        pm.acquire(["dead"])
+    # Other pages are untouched: the ready pinned page, the young pending one.
+    assert pm.state(done) == "ready" and pm.refcount(done) == 1
+    assert pm.state(young) == "pending" and pm.pending_writers(young) == frozenset({2})
+    # The reclaimed page is reusable, and the young store still completes.
+    assert pm.complete_store(young, 2) is True
+    assert pm.reclaim_stale(0.0, now=10_000.0) == []
+    (reused,) = pm.allocate(["dead"])
+    assert pm.state(reused) == "pending"
+    assert pm.reclaim_stale(0.0, now=10_000.0) == [reused]
+
+
+def test_introspection():
+    pm = PageManager.from_mappings(3, [mla_tp4()])
+    assert pm.num_pages == 3 and pm.num_ranks == 4
+    (page,) = pm.allocate([42])
+    assert pm.info(page) == PageInfo(page, "pending", 42, 0, frozenset({0}), frozenset({0}))
+    assert pm.info(2) == PageInfo(2, "free", None, 0, frozenset(), frozenset())
+    assert pm.writer_ranks(2) == frozenset({2})  # a free page reports its future writers
+    pm.complete_store(page, 0)
+    pm.acquire([42])
+    assert pm.info(page) == PageInfo(page, "ready", 42, 1, frozenset({0}), frozenset())
+    assert pm.page_of(42) == page and pm.page_of(43) is None
+    with pytest.raises(PageStateError, match="page_id: unknown page id 3"):
+        pm.state(3)
+    with pytest.raises(PageStateError, match="page_id"):
+        pm.hash_of(-1)
+    pm.check_invariants()
+
+
+# --------------------------------------------------------------------------- random operations
+
+
+def _writers(page: int) -> frozenset[int]:
+    # Ranks 0..2; odd pages need two writers, even pages one.
+    return frozenset({page % 3, (page + 1) % 3}) if page % 2 else frozenset({page % 3})
+
+
+class PageManagerMachine(RuleBasedStateMachine):
+    """Random operations against a reference model of states, pins and LRU order."""
+
+    NUM_PAGES = 6
+    HASHES = st.integers(0, 11)
+
+    @initialize()
+    def setup(self):
+        self.clock = FakeClock(0.0)
+        self.pm = PageManager(self.NUM_PAGES, _writers, num_ranks=3, clock=self.clock)
+        self.pending: dict[int, tuple[int, set[int], float]] = {}  # page -> (hash, done, t)
+        self.ready: dict[int, int] = {}  # page -> hash
+        self.pins: Counter[int] = Counter()
+        self.lru: OrderedDict[int, None] = OrderedDict()  # ready, unpinned; oldest first
+
+    def _hash_page(self) -> dict[int, int]:
+        out = {h: p for p, h in self.ready.items()}
+        out.update({h: p for p, (h, _, _) in self.pending.items()})
+        return out
+
+    @rule(hashes=st.lists(HASHES, max_size=5))
+    def allocate(self, hashes):
+        present = self._hash_page()
+        new = list(dict.fromkeys(h for h in hashes if h not in present))
+        num_free = self.NUM_PAGES - len(self.pending) - len(self.ready)
+        protected = {present[h] for h in hashes if h in present}
+        candidates = [p for p in self.lru if p not in protected]
+        before = snapshot(self.pm)
+        if len(new) > num_free + len(candidates):
+            try:
+                self.pm.allocate(hashes)
+            except PageCapacityError as err:
+                assert (err.needed, err.free, err.evictable) == (
+                    len(new),
+                    num_free,
+                    len(candidates),
+                )
+            else:
+                raise AssertionError("expected PageCapacityError")
+            assert snapshot(self.pm) == before
+            return
+        out = self.pm.allocate(hashes)
+        assert len(out) == len(hashes)
+        got = [p for p in out if p is not None]
+        assert [hashes[i] for i, p in enumerate(out) if p is not None] == new
+        victims = candidates[: max(0, len(new) - num_free)]
+        assert set(got) - set(victims) <= {
+            p for p in range(self.NUM_PAGES) if p not in self.pending and p not in self.ready
+        }
+        assert set(victims) <= set(got)
+        for page in victims:
+            assert self.pins[page] == 0
+            del self.ready[page]
+            del self.lru[page]
+        for page, h in zip(got, new):
+            self.pending[page] = (h, set(), self.clock.t)
+
+    @rule(data=st.data())
+    def complete(self, data):
+        page = data.draw(st.integers(0, self.NUM_PAGES - 1))
+        rank = data.draw(st.integers(0, 2))
+        entry = self.pending.get(page)
+        if entry is None or rank not in _writers(page) or rank in entry[1]:
+            with pytest.raises(PageStateError):
+                self.pm.complete_store(page, rank)
+            return
+        h, done, _ = entry
+        done.add(rank)
+        became_ready = self.pm.complete_store(page, rank)
+        assert became_ready == (done == _writers(page))
+        if became_ready:
+            del self.pending[page]
+            self.ready[page] = h
+            self.lru[page] = None
+
+    @rule(pages=st.lists(st.integers(0, NUM_PAGES - 1), max_size=3))
+    def fail(self, pages):
+        expected = [p for p in dict.fromkeys(pages) if p in self.pending]
+        assert self.pm.fail_store(pages) == expected
+        for page in expected:
+            del self.pending[page]
+
+    @rule(dt=st.floats(0.0, 3.0), max_age=st.floats(0.0, 4.0))
+    def reclaim(self, dt, max_age):
+        self.clock.t += dt
+        expected = sorted(p for p, (_, _, t) in self.pending.items() if self.clock.t - t > max_age)
+        assert self.pm.reclaim_stale(max_age) == expected
+        for page in expected:
+            del self.pending[page]
+
+    @rule(hashes=st.lists(HASHES, max_size=4))
+    def lookup(self, hashes):
+        by_hash = {h: p for p, h in self.ready.items()}
+        prefix = []
+        for h in hashes:
+            if h not in by_hash:
+                break
+            prefix.append(by_hash[h])
+        assert self.pm.lookup(hashes) == len(prefix)
+        for page in reversed(prefix):
+            if page in self.lru:
+                self.lru.move_to_end(page)
+
+    @rule(data=st.data())
+    def acquire(self, data):
+        if not self.ready:
+            return
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1, max_size=3))
+        assert self.pm.acquire([self.ready[p] for p in pages]) == pages
+        for page in pages:
+            self.pins[page] += 1
+            self.lru.pop(page, None)
+
+    @rule(data=st.data())
+    def release(self, data):
+        pinned = sorted(p for p, n in self.pins.items() if n)
+        if not pinned:
+            page = data.draw(st.integers(0, self.NUM_PAGES - 1))
+            with pytest.raises(PageStateError):
+                self.pm.release([page])
+            return
+        page = data.draw(st.sampled_from(pinned))
+        self.pm.release([page])
+        self.pins[page] -= 1
+        if not self.pins[page]:
+            self.lru[page] = None
+
+    @rule(h=HASHES)
+    def acquire_not_ready(self, h):
+        if h in self.ready.values():
+            return
+        with pytest.raises(PageStateError):
+            self.pm.acquire([h])
+
+    @invariant()
+    def consistent(self):
+        pm = self.pm
+        pm.check_invariants()
+        assert pm.num_free + pm.num_pending + pm.num_ready == self.NUM_PAGES
+        assert pm.num_pending == len(self.pending) and pm.num_ready == len(self.ready)
+        for page, h in self.ready.items():  # pinned pages included: never evicted
+            assert pm.state(page) == "ready" and pm.hash_of(page) == h and pm.page_of(h) == page
+            assert pm.refcount(page) == self.pins[page]
+        for page, (h, done, _) in self.pending.items():
+            assert pm.state(page) == "pending" and pm.page_of(h) == page
+            assert pm.pending_writers(page) == _writers(page) - done
+        for page in range(self.NUM_PAGES):
+            if page not in self.ready and page not in self.pending:
+                assert pm.state(page) == "free" and pm.hash_of(page) is None
+        assert pm.num_evictable == len(self.lru)
+
+
+TestPageManagerMachine = PageManagerMachine.TestCase
+TestPageManagerMachine.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_concurrent_completions_from_worker_threads():
+    num_pages, num_ranks = 512, 4
+    pm = PageManager.from_mappings(num_pages, [gqa2_tp4(), mla_tp4(dcp=2)])
+    hashes = [f"blk{i}".encode() for i in range(num_pages)]
+    pages = pm.allocate(hashes)
+    start = threading.Barrier(num_ranks + 1)
+    made_ready: list[list[int]] = [[] for _ in range(num_ranks)]
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        mine = [p for p in pages if rank in pm.writer_ranks(p)]
+        random.Random(rank).shuffle(mine)
+        start.wait()
+        try:
+            for page in mine:
+                if pm.complete_store(page, rank):
+                    made_ready[rank].append(page)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    def reader() -> None:
+        start.wait()
+        try:
+            for _ in range(300):
+                n = pm.lookup(hashes)
+                held = pm.acquire(hashes[:n])
+                assert all(pm.state(p) == "ready" for p in held)
+                pm.release(held)
+                pm.check_invariants()
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(num_ranks)]
+    threads.append(threading.Thread(target=reader))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    all_ready = sorted(p for per_rank in made_ready for p in per_rank)
+    assert all_ready == sorted(pages)  # each page turned ready exactly once
+    assert pm.num_ready == num_pages and pm.lookup(hashes) == num_pages
+    pm.check_invariants()
+
+
+def test_racing_duplicate_reports_succeed_exactly_once():
+    pm = PageManager(64, num_ranks=2)
+    pages = pm.allocate(range(64))
+    start = threading.Barrier(8)
+    results: list[tuple[int, int, bool | None]] = []
+    lock = threading.Lock()
+
+    def racer(seed: int) -> None:
+        order = [(p, r) for p in pages for r in (0, 1)]
+        random.Random(seed).shuffle(order)
+        start.wait()
+        for page, rank in order:
+            try:
+                became = pm.complete_store(page, rank)
+            except PageStateError:
+                became = None
+            with lock:
+                results.append((page, rank, became))
+
+    threads = [threading.Thread(target=racer, args=(s,)) for s in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    accepted = Counter((p, r) for p, r, became in results if became is not None)
+    assert accepted == Counter({(p, r): 1 for p in pages for r in (0, 1)})
+    assert sum(1 for _, _, became in results if became) == 64
+    assert pm.num_ready == 64
+    pm.check_invariants()
