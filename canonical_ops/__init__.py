@@ -10,6 +10,7 @@ from ._extension import BUILT_WITH_CUDA
 from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
 from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
 from .plan import default_area_offsets, make_plan
+from .shared_region import RegionSpaceError, SharedOffloadRegion, region_path
 from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
 
 __all__ = [
@@ -20,6 +21,9 @@ __all__ = [
     "load",
     "make_plan",
     "OffloadWorker",
+    "RegionSpaceError",
+    "SharedOffloadRegion",
+    "region_path",
     "PageCapacityError",
     "PageInfo",
     "PageManager",
