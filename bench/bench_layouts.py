@@ -58,19 +58,27 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args()
     results = {}
-    print(f"{'case':<28} {'ranks':>5} {'frags/rank':>10} {'61 layers':>11} {'1 group cold':>13}"
-          f" {'61 distinct (bound)':>20}")
+    print(
+        f"{'case':<28} {'ranks':>5} {'frags/rank':>10} {'61 layers':>11} {'1 group cold':>13}"
+        f" {'61 distinct (bound)':>20}"
+    )
     for name, case in CASES.items():
         spec, topology = case["spec"], case["topology"]
         start = min(model_start(spec, topology) for _ in range(args.repeats))
         group = min(one_group(spec, topology) for _ in range(args.repeats))
         mappings = derive_group_mappings(spec, **topology)
         frags = len(mappings[0].fragments())
-        results[name] = dict(ranks=len(mappings), fragments_per_rank=frags,
-                             model_start_s=start, one_group_cold_s=group,
-                             distinct_layers_bound_s=group * NUM_LAYERS)
-        print(f"{name:<28} {len(mappings):>5} {frags:>10} {start * 1e3:>9.1f}ms"
-              f" {group * 1e3:>11.2f}ms {group * NUM_LAYERS * 1e3:>18.1f}ms")
+        results[name] = dict(
+            ranks=len(mappings),
+            fragments_per_rank=frags,
+            model_start_s=start,
+            one_group_cold_s=group,
+            distinct_layers_bound_s=group * NUM_LAYERS,
+        )
+        print(
+            f"{name:<28} {len(mappings):>5} {frags:>10} {start * 1e3:>9.1f}ms"
+            f" {group * 1e3:>11.2f}ms {group * NUM_LAYERS * 1e3:>18.1f}ms"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -94,16 +94,51 @@ def set_sm_budget(sms: int) -> int:
 
 
 def _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
-    # Metadata-only checks: what can be known without data (tracing, meta tensors).
+    # Metadata-only checks, mirroring the eager kernels' exception types, so a
+    # traced call fails like an eager one. Runs for fake tensors while tracing
+    # and for real meta tensors (which must not silently skip a device check).
     if not kv_caches:
         raise ValueError("kv_caches: expected one tensor per layer, got none")
-    if cpu_pages.dtype != torch.uint8 or cpu_pages.dim() != 2:
-        raise ValueError("cpu_pages: expected a uint8 (rows, row_bytes) tensor")
-    if plan.dtype != torch.int64 or plan.dim() != 1:
-        raise ValueError("plan: expected a 1-D int64 tensor from canonical_ops.make_plan")
+    device = kv_caches[0].device
+    all_meta = all(
+        t.device.type == "meta" for t in (*kv_caches, cpu_pages, plan, block_ids, page_ids)
+    )
+    if not all_meta:
+        for layer, kv in enumerate(kv_caches):
+            if kv.device != device:
+                raise ValueError(
+                    f"kv_caches[{layer}]: expected a tensor on {device} like kv_caches[0], "
+                    f"got {kv.device}"
+                )
+        if plan.device != device:
+            raise ValueError(
+                f"plan: expected a tensor on {device} (the kv_caches device), got {plan.device}"
+            )
+        if cpu_pages.device.type != "cpu":
+            raise ValueError(f"cpu_pages: expected a CPU tensor, got {cpu_pages.device}")
+        for name, ids in (("block_ids", block_ids), ("page_ids", page_ids)):
+            if ids.device != device and ids.device.type != "cpu":
+                raise ValueError(f"{name}: expected a tensor on {device} or CPU, got {ids.device}")
+    if cpu_pages.dtype != torch.uint8:
+        raise TypeError(f"cpu_pages: expected dtype uint8, got {cpu_pages.dtype}")
+    if cpu_pages.dim() != 2:
+        raise ValueError(
+            f"cpu_pages: expected a 2-D (rows, row_bytes) tensor, got {cpu_pages.dim()}-D"
+        )
+    if plan.dtype != torch.int64:
+        raise TypeError(f"plan: expected dtype int64, got {plan.dtype}")
+    if plan.dim() != 1:
+        raise ValueError("plan: expected a 1-D tensor from canonical_ops.make_plan")
     for name, ids in (("block_ids", block_ids), ("page_ids", page_ids)):
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D int64 tensor")
+        if ids.dtype != torch.int64:
+            raise TypeError(f"{name}: expected dtype int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got {ids.dim()}-D")
+    if block_ids.shape[0] != page_ids.shape[0]:
+        raise ValueError(
+            f"page_ids: expected as many ids as block_ids ({block_ids.shape[0]}), "
+            f"got {page_ids.shape[0]}"
+        )
 
 
 @torch.library.register_fake("canonical::canonical_store")

@@ -156,7 +156,7 @@ def build_plan_words(
         first += frags.shape[0]
     fragments = np.concatenate(fragment_tables)
     header = np.zeros(HEADER_WORDS, dtype=np.int64)
-    row_bytes = cpu_pages.stride(0) if cpu_pages.size(0) > 1 else cpu_pages.size(1)
+    row_bytes = cpu_pages.stride(0)
     alignment = _alignment(
         np.concatenate([fragments[:, :3].ravel(), layer_table[:, [0, 3, 4]].ravel(), [row_bytes]])
     )

@@ -91,8 +91,14 @@ class CanonicalPageMapping:
         # Expand every run at once: fragment j of a run sits j strides from its offset.
         fields = np.array(
             [
-                (r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments,
-                 r.local_stride, r.canonical_stride)
+                (
+                    r.local_offset,
+                    r.canonical_offset,
+                    r.fragment_size,
+                    r.num_fragments,
+                    r.local_stride,
+                    r.canonical_stride,
+                )
                 for r in self.runs
             ],
             dtype=np.int64,
@@ -107,7 +113,9 @@ class CanonicalPageMapping:
         order = np.argsort(local, kind="stable")
         local, canonical, size = local[order], canonical[order], size[order]
         # A fragment continues the previous one when it is adjacent in both pages.
-        joins = (local[1:] == local[:-1] + size[:-1]) & (canonical[1:] == canonical[:-1] + size[:-1])
+        joins = (local[1:] == local[:-1] + size[:-1]) & (
+            canonical[1:] == canonical[:-1] + size[:-1]
+        )
         heads = np.concatenate(([True], ~joins)) if local.size else np.zeros(0, dtype=bool)
         out = np.empty((int(heads.sum()), 3), dtype=np.int64)
         out[:, 0] = local[heads]

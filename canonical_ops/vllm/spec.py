@@ -1,0 +1,89 @@
+"""CanonicalOffloadingSpec: vLLM's CPU (tiering) offloading spec, with our worker.
+
+Everything scheduler-side is vLLM's: the OffloadingConfig, the CPU primary tier
+and its eviction policy, secondary tiers (file, object, p2p, ...), the region
+size and the file namespace (which carries the canonical format id). Only the
+worker differs: :meth:`create_worker` builds a
+:class:`~canonical_ops.vllm.worker.CanonicalOffloadingWorker` over the same
+``SharedOffloadRegion`` vLLM's worker would map, after vLLM's own validation
+of the canonical refs, so every byte lands where vLLM would put it.
+
+The base class is ``TieringOffloadingSpec`` (itself vLLM's ``CPUOffloadingSpec``
+with the shared region always on): it is the spec through which vLLM 0.33 runs
+the canonical layout. With no ``secondary_tiers`` it is a plain CPU cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from . import SPEC_NAME
+from .worker import CanonicalOffloadingWorker
+
+__all__ = ["CanonicalOffloadingSpec"]
+
+
+class CanonicalOffloadingSpec(TieringOffloadingSpec):
+    """vLLM offloading spec (``spec_name: "CanonicalOffloadingSpec"``) running canonical_ops.
+
+    Requires ``"canonical_layout": true`` in ``kv_connector_extra_config``: the
+    scheduler side (storage namespace, portability gate) must agree with the
+    canonical bytes the worker writes. Refuses at construction otherwise.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        if not config.canonical_layout:
+            raise ValueError(
+                f"{SPEC_NAME} writes vLLM's canonical KV layout and needs "
+                '"canonical_layout": true in kv_connector_extra_config (without it vLLM '
+                "namespaces and sizes the cache for the direct layout). Add it, or use "
+                'spec_name "CPUOffloadingSpec" / "TieringOffloadingSpec" for the direct layout.'
+            )
+        super().__init__(config)
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CanonicalOffloadingWorker:
+        """Map the engine's shared region and build our worker over it (worker side)."""
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            # vLLM's own checks and messages: a ref without a mapping, or opaque
+            # (per-topology) layers under a topology-shared storage namespace.
+            self._validate_canonical_refs(kv_caches)
+            return CanonicalOffloadingWorker(
+                kv_caches=kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_cpu_chunks=self.num_chunks,
+                mmap_region=region,
+            )
+        except Exception:
+            region.cleanup()
+            raise
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """Our worker, built once. Unlike vLLM's, it decides by the KV tensors' device:
+        CUDA (with canonical_ops' CUDA kernels) or CPU; anything else is refused."""
+        if self._worker is None:
+            if self.num_chunks <= 0:
+                raise ValueError(
+                    f"{SPEC_NAME}: cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')} "
+                    f"holds no chunk of {self.kv_bytes_per_chunk} bytes; raise cpu_bytes_to_use"
+                )
+            devices = {t.tensor.device.type for t in kv_caches.tensors}
+            if not devices <= {"cuda", "cpu"} or torch.version.hip is not None:
+                raise RuntimeError(
+                    f"{SPEC_NAME}: canonical_ops has no kernels for KV caches on "
+                    f"{sorted(devices)}{' (ROCm)' if torch.version.hip else ''}; use "
+                    'spec_name "TieringOffloadingSpec" (vLLM\'s worker, same canonical bytes)'
+                )
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
