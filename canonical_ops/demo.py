@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"writer {r['rank']} failed:\n{r['error']}", file=sys.stderr)
             else:
                 for page in page_ids:
-                    if r["rank"] in manager.pending_writers(page):
+                    if r["rank"] in manager.writer_ranks(page):
                         manager.complete_store(page, r["rank"])
         ready = manager.lookup(hashes)
         print(

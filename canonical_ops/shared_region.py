@@ -34,8 +34,9 @@ Close
     :meth:`SharedOffloadRegion.close` unpins, drops the tensor, unmaps and closes
     the file. If the region never became fully attached and the path still names
     this region, the creator's close unlinks it (ranks arriving later create a new
-    region); an attacher's close withdraws its registration (and unlinks the file
-    when the creator is dead). Callers must drop every view of
+    region); an attacher's close keeps its rank counted as attached (so ranks may
+    attach one after another, e.g. writers that finish before readers start) and
+    unlinks the file when the creator is dead. Callers must drop every view of
     :attr:`~SharedOffloadRegion.tensor` (and of :meth:`layer_views`) for the
     mapping to be released; views still alive keep the memory mapped until they
     are garbage collected.
@@ -679,7 +680,7 @@ class SharedOffloadRegion:
                 if header is None or header.state != STATE_READY:
                     raise _Retry("the file was replaced while attaching")
                 previous = header.rank_pids[self.rank]
-                if previous and _process_alive(previous, 0, header.creator_pidns):
+                if previous > 0 and _process_alive(previous, 0, header.creator_pidns):
                     raise ValueError(
                         f"rank {self.rank} is already attached to {self.path} by pid {previous}"
                     )
@@ -868,11 +869,16 @@ class SharedOffloadRegion:
                 self._unlinked = True
                 return
             if header.rank_pids[self.rank] == os.getpid():
-                header.rank_pids[self.rank] = 0
-                header.attach_count -= 1
+                # Still counted as attached (a group may run its ranks one after
+                # another); -1 marks "attached, now closed" so a re-attach of the
+                # same rank is not counted twice.
+                header.rank_pids[self.rank] = _CLOSED_RANK
                 header.write(fd)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+_CLOSED_RANK = -1
 
 
 class _Retry(Exception):
