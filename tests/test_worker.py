@@ -24,7 +24,7 @@ def setup(rank: int = 0, tp: int = 2, blocks: int = 6, rows: int = 8):
 
 
 def test_store_load_roundtrip_and_jobs() -> None:
-    worker, kv, pages = setup()
+    worker, kv, _ = setup()
     assert worker.format_id == "v1-hnd"
     assert set(worker.fallback_reasons) == {2} and "unrecognised" in worker.fallback_reasons[2]
     job = worker.store([1, 4], [7, 0])
