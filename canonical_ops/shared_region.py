@@ -817,7 +817,11 @@ class SharedOffloadRegion:
         del view
         for offset in range(0, self.data_bytes, PIN_CHUNK_BYTES):
             size = min(PIN_CHUNK_BYTES, self.data_bytes - offset)
-            (err,) = cudart.cudaHostRegister(base + offset, size, cudart.cudaHostRegisterPortable)
+            (err,) = cudart.cudaHostRegister(
+                base + offset,
+                size,
+                cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped,
+            )
             if err != cudart.cudaError_t.cudaSuccess:
                 _, text = cudart.cudaGetErrorString(err)
                 self._unpin()

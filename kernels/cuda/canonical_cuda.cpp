@@ -80,6 +80,15 @@ void copy_cuda(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_p
   args.num_fragments = host_view.num_fragments();
   args.num_rows = info.num_rows;
   args.cpu_pages = device_address("cpu_pages", cpu_pages.data_ptr<uint8_t>());
+  if (info.num_rows > 0) {
+    // A region pinned in several cudaHostRegister chunks must still be one
+    // contiguous range for the device (true where UVA maps host pointers 1:1).
+    const int64_t last = (info.num_rows - 1) * cpu_pages.stride(0) + cpu_pages.size(1) - 1;
+    uint8_t* last_device = device_address("cpu_pages", cpu_pages.data_ptr<uint8_t>() + last);
+    TORCH_CHECK_VALUE(last_device == args.cpu_pages + last,
+                      "cpu_pages: its pinned pieces are not contiguous in the device's address "
+                      "space; register it in one piece");
+  }
   args.error = entry.error.data_ptr<int64_t>();
   args.num_layers = static_cast<int32_t>(kv_caches.size());
   args.store = store ? 1 : 0;
