@@ -77,5 +77,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["numpy>=1.26", "torch>=2.6"],
     ext_modules=_extensions(),
+    # vLLM loads general plugins at start-up: this registers CanonicalOffloadingSpec.
+    entry_points={"vllm.general_plugins": ["canonical_kv = canonical_ops.vllm:register"]},
     cmdclass={"build_ext": _build_ext()},
 )

@@ -325,11 +325,32 @@ class CanonicalOffloadingWorker(OffloadingWorker):
             )
 
     def _pin(self, region: SharedOffloadRegion) -> None:
-        """Register the whole region with CUDA: the kernel reads and writes it directly."""
-        if not region.is_pinned:
-            from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+        """Register the whole region with CUDA: the kernel reads and writes it directly.
 
-            pin_mmap_region(region, worker_slot_only=False)
+        One mapped registration (portable | mapped: the device address is valid on
+        every system, and contiguous as the kernel requires), recorded on the region
+        so that vLLM's ``cleanup`` unregisters it; vLLM's own chunked registration if
+        that fails.
+        """
+        if not region.is_pinned:
+            from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
+
+            base, size = region.base_tensor.data_ptr(), region.total_size_bytes
+            try:
+                cudart = CudaRTLibrary()
+                registered = cudart.cudaHostRegister(base, size, 0x1 | 0x2) == 0
+                if not registered:
+                    cudart.cudaGetLastError()
+            except Exception:
+                logger.warning("canonical-kv: mapped registration unavailable", exc_info=True)
+                registered = False
+            if registered:
+                region.pinned_addresses.append(base)
+                region.is_pinned = True
+            else:
+                from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+
+                pin_mmap_region(region, worker_slot_only=False)
         if not region.is_pinned or not self.cpu_pages.is_pinned():
             raise RuntimeError(
                 "CanonicalOffloadingWorker: could not register the shared offload region with "
@@ -438,8 +459,9 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 f"[{chunks.min()}, {chunks.max()}]"
             )
         for g, blocks, _ in out:
-            num_blocks = min(int(kv.size(0)) for kvs in self.groups[g].kv_caches for kv in kvs)
-            if blocks.min() < 0 or blocks.max() >= num_blocks:
+            sizes = [int(kv.size(0)) for kvs in self.groups[g].kv_caches for kv in kvs]
+            num_blocks = min(sizes) if sizes else None  # a group without layers moves nothing
+            if num_blocks is not None and (blocks.min() < 0 or blocks.max() >= num_blocks):
                 raise IndexError(
                     f"GPU spec: group {g}'s block ids must lie in [0, {num_blocks}), got "
                     f"[{blocks.min()}, {blocks.max()}]"
