@@ -18,22 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-
-@dataclass(frozen=True)
-class Topo:
-    tp: int
-    dcp: int = 1
-    pcp: int = 1
-    interleave: int = 1
-
-    @property
-    def cp(self) -> int:
-        return self.dcp * self.pcp
-
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.pcp
+from layout_truth import Topology as Topo
 
 
 @dataclass(frozen=True)
@@ -83,7 +68,7 @@ class Model:
 def run_rank(task: dict) -> dict:
     """task: role, model, topo, rank, region args, page_ids, salt, [kill_before_store]."""
     try:
-        from layout_truth import Topology, local_page
+        from layout_truth import local_page
         from ops_helpers import make_kv_cache
 
         from canonical_ops import OffloadWorker, SharedOffloadRegion
@@ -96,15 +81,12 @@ def run_rank(task: dict) -> dict:
         rng = np.random.default_rng([model.seed, 7, rank, task["salt"]])
         caches = [make_kv_cache(spec, model.num_blocks, rng) for spec in specs]
         ctx = RankContext(topo.tp, model.total_heads, rank, topo.dcp, topo.pcp, topo.interleave)
-        truth_topo = Topology(topo.tp, topo.dcp, topo.pcp, topo.interleave)
         pages = list(task["page_ids"])
         blocks = model.block_ids(pages, task["salt"])
 
         def expected(layer: int, page: int) -> np.ndarray:
             spec = specs[layer]
-            return local_page(
-                model.truth(layer, page, spec), spec, truth_topo, model.total_heads, rank
-            )
+            return local_page(model.truth(layer, page, spec), spec, topo, model.total_heads, rank)
 
         worker = OffloadWorker(
             [c.tensor for c in caches], specs, ctx, region, pages_per_row=model.pages_per_row
