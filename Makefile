@@ -9,7 +9,7 @@ VLLM_WHEEL_DIR := .cache/vllm-wheel
 export CUDA_HOME ?= $(wildcard /usr/local/cuda)
 export MAX_JOBS ?= 2
 
-.PHONY: install test demo lint vllm-wheel clean test-vllm
+.PHONY: install test demo bench lint vllm-wheel clean test-vllm
 
 $(VENV)/.requirements: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: install vllm-wheel
 # TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present).
 demo: install
 	$(VPY) -m canonical_ops demo $(DEMO_ARGS)
+
+# Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots.
+BENCH_OUT ?= bench/results
+bench: install
+	$(VPY) bench/bench_transfer.py --quick --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(VPY) bench/bench_layouts.py
 
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .
