@@ -193,40 +193,31 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+# Fields of ``_HEADER``, in packing order.
+_HEADER_FIELDS = (
+    "magic",
+    "version",
+    "header_bytes",
+    "num_rows",
+    "row_bytes",
+    "world_size",
+    "state",
+    "creator_pid",
+    "creator_start",
+    "creator_pidns",
+    "attach_count",
+    "engine_digest",
+)
+
+
 class _Header:
     """Decoded region header (see ``_HEADER``)."""
 
-    __slots__ = (
-        "attach_count",
-        "creator_pid",
-        "creator_pidns",
-        "creator_start",
-        "engine_digest",
-        "header_bytes",
-        "magic",
-        "num_rows",
-        "rank_pids",
-        "row_bytes",
-        "state",
-        "version",
-        "world_size",
-    )
+    __slots__ = (*_HEADER_FIELDS, "rank_pids")
 
     def __init__(self, raw: bytes) -> None:
-        (
-            self.magic,
-            self.version,
-            self.header_bytes,
-            self.num_rows,
-            self.row_bytes,
-            self.world_size,
-            self.state,
-            self.creator_pid,
-            self.creator_start,
-            self.creator_pidns,
-            self.attach_count,
-            self.engine_digest,
-        ) = _HEADER.unpack_from(raw, 0)
+        for name, value in zip(_HEADER_FIELDS, _HEADER.unpack_from(raw, 0), strict=True):
+            setattr(self, name, value)
         count = min(self.world_size, MAX_WORLD_SIZE)
         self.rank_pids = list(struct.unpack_from(f"<{count}q", raw, _RANKS_OFFSET))
 
@@ -239,20 +230,7 @@ class _Header:
         return cls(raw)
 
     def write(self, fd: int) -> None:
-        raw = _HEADER.pack(
-            self.magic,
-            self.version,
-            self.header_bytes,
-            self.num_rows,
-            self.row_bytes,
-            self.world_size,
-            self.state,
-            self.creator_pid,
-            self.creator_start,
-            self.creator_pidns,
-            self.attach_count,
-            self.engine_digest,
-        )
+        raw = _HEADER.pack(*(getattr(self, name) for name in _HEADER_FIELDS))
         raw += bytes(_RANKS_OFFSET - len(raw))
         raw += struct.pack(f"<{len(self.rank_pids)}q", *self.rank_pids)
         raw += bytes(HEADER_BYTES - len(raw))
