@@ -25,6 +25,8 @@ struct LaunchArgs {
   uint8_t* layer_base[kMaxLayers];
 };
 
+static_assert(sizeof(LaunchArgs) <= 4096, "kernel parameters must fit the classic 4 KiB limit");
+
 struct LaunchConfig {
   int sm_budget;               // SMs' worth of thread blocks to launch at most
   int64_t max_fragment_bytes;  // from the plan header: picks the lanes per fragment
