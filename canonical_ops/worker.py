@@ -166,11 +166,8 @@ class OffloadWorker:
         )
         self.mappings = [group[ctx.rank] for group in self.group_mappings]
         # Why each uncertified layer is stored opaquely (readable by this topology only).
-        self.fallback_reasons = {
-            layer: certification_failure(spec, ctx)
-            for layer, spec in enumerate(specs)
-            if certification_failure(spec, ctx) is not None
-        }
+        reasons = {layer: certification_failure(spec, ctx) for layer, spec in enumerate(specs)}
+        self.fallback_reasons = {layer: r for layer, r in reasons.items() if r is not None}
         orders = {spec.order for spec in specs if spec is not None}
         self.format_id = canonical_format_id(orders.pop()) if len(orders) == 1 else None
         self.area_offsets = default_area_offsets(self.mappings, pages_per_row)
