@@ -326,36 +326,18 @@ class BatchMemcpy:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: {rc} {name!r}")
 
 
+# kernels/include of this repository: the shim shares the fused kernel's copy loop.
+KERNEL_INCLUDE = Path(__file__).resolve().parent.parent / "kernels" / "include"
+
 SHIM_SOURCE = r"""
 // Baselines for bench_transfer.py, compiled at bench time with nvcc (no torch headers).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "canonical/copy.cuh"  // the fused kernel's own fragment copy
+
 namespace {
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;
-
-template <int kGroup, typename Vec>
-__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t size,
-                                             int lane) {
-  const Vec* s = reinterpret_cast<const Vec*>(src);
-  Vec* d = reinterpret_cast<Vec*>(dst);
-  const int64_t n = size / static_cast<int64_t>(sizeof(Vec));
-  for (int64_t base = lane; base < n; base += kGroup * kUnroll) {
-    Vec r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + u * kGroup;
-      if (k < n) r[u] = s[k];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + u * kGroup;
-      if (k < n) d[k] = r[u];
-    }
-  }
-}
-
 // kGroup lanes per descriptor; descriptors (src[], dst[], size[]) in device memory,
 // data addresses device or pinned host (UVA).
 template <int kGroup>
@@ -368,12 +350,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint8_t* s = reinterpret_cast<const uint8_t*>(desc[i]);
     uint8_t* d = reinterpret_cast<uint8_t*>(desc[count + i]);
     const int64_t size = desc[2 * count + i];
-    const uint64_t a = reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d) |
-                       static_cast<uint64_t>(size);
-    if ((a & 15) == 0) copy_vectors<kGroup, uint4>(d, s, size, lane);
-    else if ((a & 7) == 0) copy_vectors<kGroup, uint2>(d, s, size, lane);
-    else if ((a & 3) == 0) copy_vectors<kGroup, uint32_t>(d, s, size, lane);
-    else copy_vectors<kGroup, uint8_t>(d, s, size, lane);
+    canonical::group_copy<kGroup>(d, s, size, lane);
   }
 }
 
@@ -456,7 +433,8 @@ class CudaShim:
             raise RuntimeError("nvcc not found (set CUDA_HOME)")
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
-        digest = hashlib.sha1((SHIM_SOURCE + arch).encode()).hexdigest()[:12]
+        copy_header = (KERNEL_INCLUDE / "canonical" / "copy.cuh").read_text()
+        digest = hashlib.sha1((SHIM_SOURCE + copy_header + arch).encode()).hexdigest()[:12]
         cache = Path(
             build_dir
             or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -470,7 +448,7 @@ class CudaShim:
             src.write_text(SHIM_SOURCE)
             tmp = cache / f"bench_shim_{digest}.{os.getpid()}.so"
             cmd = [
-                nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+                nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", f"-I{KERNEL_INCLUDE}",
                 f"-gencode=arch=compute_{arch},code=sm_{arch}", str(src), "-o", str(tmp),
             ]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "canonical/copy.cuh"
 #include "canonical/launch.h"
 #include "canonical/plan.h"
 
@@ -13,49 +14,6 @@ namespace canonical {
 namespace {
 
 constexpr int kThreads = 512;
-// Vectors each lane loads before it stores: bytes in flight hide PCIe latency.
-constexpr int kUnroll = 4;
-
-template <int kGroup, typename Vec>
-__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t size,
-                                             int lane) {
-  const Vec* s = reinterpret_cast<const Vec*>(src);
-  Vec* d = reinterpret_cast<Vec*>(dst);
-  const int64_t n = size / static_cast<int64_t>(sizeof(Vec));
-  for (int64_t base = lane; base < n; base += kGroup * kUnroll) {
-    Vec r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + u * kGroup;
-      if (k < n) r[u] = s[k];
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = base + u * kGroup;
-      if (k < n) d[k] = r[u];
-    }
-  }
-}
-
-// A group of kGroup lanes copies one fragment, with the widest vector that
-// the addresses and the size allow (16 B for head-aligned fragments).
-template <int kGroup>
-__device__ __forceinline__ void group_copy(uint8_t* dst, const uint8_t* src, int64_t size,
-                                           int lane) {
-  const uint64_t align = reinterpret_cast<uint64_t>(dst) | reinterpret_cast<uint64_t>(src) |
-                         static_cast<uint64_t>(size);
-  if ((align & 15) == 0) {
-    copy_vectors<kGroup, uint4>(dst, src, size, lane);
-  } else if ((align & 7) == 0) {
-    copy_vectors<kGroup, uint2>(dst, src, size, lane);
-  } else if ((align & 3) == 0) {
-    copy_vectors<kGroup, uint32_t>(dst, src, size, lane);
-  } else if ((align & 1) == 0) {
-    copy_vectors<kGroup, uint16_t>(dst, src, size, lane);
-  } else {
-    copy_vectors<kGroup, uint8_t>(dst, src, size, lane);
-  }
-}
 
 __device__ void report_error(int64_t* error, int64_t code, int64_t pair, int64_t block_id,
                              int64_t page_id) {
@@ -97,9 +55,9 @@ __global__ void __launch_bounds__(kThreads)
     uint8_t* kv = args.layer_base[e.layer] + e.local_byte;
     uint8_t* host = args.cpu_pages + e.canonical_byte;
     if (args.store) {
-      group_copy<kGroup>(host, kv, e.size, lane);
+      canonical::group_copy<kGroup>(host, kv, e.size, lane);
     } else {
-      group_copy<kGroup>(kv, host, e.size, lane);
+      canonical::group_copy<kGroup>(kv, host, e.size, lane);
     }
   }
 }
