@@ -8,6 +8,7 @@ defaults to "9.0" (Hopper).
 
 import os
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 
@@ -41,11 +42,19 @@ def _extensions():
     include = [os.path.join(ROOT, "kernels", "include")]
     sources = ["kernels/registration.cpp", "kernels/cpu/canonical_cpu.cpp"]
     cxx = ["-O3"]  # torch picks the C++ standard its headers need
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is inline OpenMP: without -fopenmp it silently runs serially. Linking
+        # -fopenmp resolves libgomp.so.1, the runtime torch has already loaded (one thread pool).
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         sources += ["kernels/cuda/canonical_cuda.cpp", "kernels/cuda/canonical_kernel.cu"]
-        print(f"canonical-kv: building CPU + CUDA kernels ({why}; "
-              f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})")
+        print(
+            f"canonical-kv: building CPU + CUDA kernels ({why}; "
+            f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})"
+        )
         return [
             cpp_extension.CUDAExtension(
                 "canonical_ops._C",
@@ -53,12 +62,17 @@ def _extensions():
                 include_dirs=include,
                 define_macros=[("CANONICAL_WITH_CUDA", "1")],
                 extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
+                extra_link_args=link,
             )
         ]
     print(f"canonical-kv: building CPU kernels only ({why})")
     return [
         cpp_extension.CppExtension(
-            "canonical_ops._C", sources, include_dirs=include, extra_compile_args=cxx
+            "canonical_ops._C",
+            sources,
+            include_dirs=include,
+            extra_compile_args=cxx,
+            extra_link_args=link,
         )
     ]
 

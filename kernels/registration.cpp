@@ -292,4 +292,5 @@ TORCH_LIBRARY(canonical, m) {
   m.def("_plan_error(Tensor plan) -> int[]", &canonical::plan_error);
   m.def("_set_sm_budget(int sms) -> int", &canonical::set_sm_budget);
   m.def("_built_with_cuda() -> bool", &canonical::built_with_cuda);
+  m.def("_cpu_threads_used(int work_items) -> int", &canonical::cpu_threads_used);
 }

@@ -7,6 +7,8 @@ tests check the ops end to end against ``layout_truth`` (first principles).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,25 @@ def test_large_multi_layer_call_matches_reference(pages_lead):
     check_store_and_load(setup)
 
 
+def test_large_call_with_unaligned_kv_blocks_matches_reference():
+    """> 4 MiB with kv blocks 2 bytes out of 16-byte alignment: the streaming load (and
+    store) paths must fall back per fragment where the destination is not aligned."""
+    case = Case(
+        layers=(LayerConfig("full", "split", "NHD", 128, "bfloat16", 8, pad_elems=1),),
+        tp=4,
+        block_size=32,
+        rank=3,
+        num_blocks=600,
+        num_rows=600,
+        num_pairs=560,
+        seed=17,
+    )
+    setup = build_setup(case)
+    stride = setup.kv[0].block_stride_bytes
+    assert stride % 16 == 2 and case.num_pairs * stride >= 4 << 20
+    check_store_and_load(setup)
+
+
 def test_large_store_replicated_writers_match_reference():
     """Streaming path with elected writers (TP 8 over 2 heads: 4 writers per page)."""
     case = Case(
@@ -227,6 +248,17 @@ def test_set_sm_budget_returns_previous():
 
 def test_built_with_cuda_is_a_bool():
     assert isinstance(canonical_ops.BUILT_WITH_CUDA, bool)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs at least 2 CPU cores")
+def test_cpu_kernel_runs_on_several_threads():
+    """at::parallel_for is inline OpenMP: built without -fopenmp it silently runs serially."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.canonical._cpu_threads_used(64) == 2
+    finally:
+        torch.set_num_threads(previous)
 
 
 # --------------------------------------------------------------------------- cross-topology

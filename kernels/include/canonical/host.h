@@ -45,4 +45,9 @@ const PlanEntry& remember_plan(const at::Tensor& plan, std::vector<int64_t> word
 
 int sm_budget();
 
+// How many threads at::parallel_for spread `work_items` single items over in
+// the CPU kernel's translation unit: a test's guard against a build without
+// OpenMP, where at::parallel_for silently runs serially.
+int64_t cpu_threads_used(int64_t work_items);
+
 }  // namespace canonical

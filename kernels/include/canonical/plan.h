@@ -115,23 +115,43 @@ struct Expanded {
   bool is_writer;          // page_id % num_writers == writer_index
 };
 
+// Where layer `layer`'s pages of the pair (block_id, page_id) start: the bases
+// every fragment offset of that layer adds to, and whether this rank stores the
+// page. The CPU kernel computes them once per pair and layer; expand() adds one
+// fragment to them.
+struct LayerBases {
+  int64_t local_base;      // from kv_caches[layer].data_ptr()
+  int64_t canonical_base;  // from cpu_pages.data_ptr()
+  bool is_writer;          // page_id % num_writers == writer_index
+};
+
+C10_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t layer,
+                                              int64_t block_id, int64_t page_id) {
+  const int64_t* rec = plan.layer(layer);
+  const int64_t pages_per_row = plan.header(kPagesPerRow);
+  const int64_t row = page_id / pages_per_row;
+  const int64_t slot = page_id - row * pages_per_row;
+  LayerBases out;
+  out.local_base = block_id * rec[kBlockStrideBytes];
+  out.canonical_base = row * plan.header(kRowBytes) + rec[kAreaOffsetBytes] +
+                       slot * rec[kCanonicalPageBytes];
+  out.is_writer = page_id % rec[kNumWriters] == rec[kWriterIndex];
+  return out;
+}
+
 // Expands fragment `fragment` of the pair (block_id, page_id). Ids must already
 // be in range (see ids_in_range); the result then lies inside both tensors.
 C10_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragment, int64_t block_id,
                                        int64_t page_id) {
   const int64_t* frag = plan.fragment(fragment);
   const int64_t layer = frag[3];
-  const int64_t* rec = plan.layer(layer);
-  const int64_t pages_per_row = plan.header(kPagesPerRow);
-  const int64_t row = page_id / pages_per_row;
-  const int64_t slot = page_id - row * pages_per_row;
+  const LayerBases bases = layer_bases(plan, layer, block_id, page_id);
   Expanded out;
   out.layer = layer;
-  out.local_byte = block_id * rec[kBlockStrideBytes] + frag[0];
-  out.canonical_byte = row * plan.header(kRowBytes) + rec[kAreaOffsetBytes] +
-                       slot * rec[kCanonicalPageBytes] + frag[1];
+  out.local_byte = bases.local_base + frag[0];
+  out.canonical_byte = bases.canonical_base + frag[1];
   out.size = frag[2];
-  out.is_writer = page_id % rec[kNumWriters] == rec[kWriterIndex];
+  out.is_writer = bases.is_writer;
   return out;
 }
 
