@@ -41,7 +41,9 @@ def _extensions():
     use_cuda, why = _want_cuda()
     include = [os.path.join(ROOT, "kernels", "include")]
     sources = ["kernels/registration.cpp", "kernels/cpu/canonical_cpu.cpp"]
-    cxx = ["-O3"]  # torch picks the C++ standard its headers need
+    # torch picks the C++ standard its headers need. -fno-wrapv undoes the -fwrapv that
+    # Python's CFLAGS add: with it, GCC compiles the CPU copy loop ~20% slower.
+    cxx = ["-O3", "-fno-wrapv"]
     link = []
     if sys.platform.startswith("linux"):
         # at::parallel_for is inline OpenMP: without -fopenmp it silently runs serially. Linking

@@ -13,6 +13,10 @@ like.
 * :class:`TorchBaseline`: plain PyTorch a user would write: per layer and per fragment run, a
   strided view of each side, then ``dst[ids] = src[ids]`` (gather + scatter; on CUDA the
   gathered tensor crosses devices with ``.cpu()`` / ``.to(device)``).
+* :class:`CpuShim`: the canonical CPU kernel's fragment copy (kernels/include/canonical/
+  cpu_copy.h, compiled with the host compiler) driven by expanded descriptors: the vLLM-style
+  path on CPU (expansion + this loop) and a pre-expanded run of it (no expansion at all: what
+  the access pattern allows with our copy).
 * CUDA only (UNVERIFIED: written on a machine without a GPU): :class:`BatchMemcpy` calls
   ``cuMemcpyBatchAsync`` (driver entry point fetched through cuda-python, called with the raw
   descriptor arrays as vLLM's C++ op does, no per-descriptor Python objects);
@@ -274,6 +278,116 @@ class TorchBaseline:
             kv_view[block_ids] = gathered
 
 
+# ----------------------------------------------------------------------------- CPU descriptor loop
+
+# kernels/include of this repository: the shims share the canonical kernels' copy loops.
+KERNEL_INCLUDE = Path(__file__).resolve().parent.parent / "kernels" / "include"
+
+CPU_SHIM_SOURCE = r"""
+// CPU descriptor-driven copy for bench_transfer.py, compiled at bench time with the host
+// C++ compiler: the canonical CPU kernel's own fragment copy and load prefetch
+// (kernels/include/canonical/cpu_copy.h) over host-expanded (src, dst, size) descriptors,
+// split over OpenMP threads in contiguous ranges as at::parallel_for splits the kernel's work.
+#include <omp.h>
+#include <stdint.h>
+
+#include "canonical/cpu_copy.h"
+
+extern "C" int64_t shim_prefetch_items(int64_t bytes_per_pair, int64_t fragments_per_pair) {
+  return canonical::prefetch_items(bytes_per_pair, fragments_per_pair);
+}
+
+extern "C" void shim_cpu_descriptor_copy(const int64_t* src, const int64_t* dst,
+                                         const int64_t* size, int64_t count,
+                                         int64_t total_bytes, int64_t lookahead, int threads) {
+  const bool streaming = total_bytes >= canonical::kStreamingCallBytes;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t begin = count * id / n, end = count * (id + 1) / n;
+    for (int64_t i = begin; i < end; ++i) {
+      if (lookahead > 0 && i + lookahead < end) {
+        canonical::prefetch_fragment(reinterpret_cast<const uint8_t*>(src[i + lookahead]),
+                                     size[i + lookahead]);
+      }
+      canonical::copy_fragment(reinterpret_cast<uint8_t*>(dst[i]),
+                               reinterpret_cast<const uint8_t*>(src[i]), size[i], streaming);
+    }
+    if (streaming) canonical::publish_streaming_stores();
+  }
+}
+"""
+
+
+class CpuShim:
+    """The canonical CPU kernel's copy driven by host-expanded descriptors (a C++ library).
+
+    Two baselines use it: the vLLM-style path on CPU (numpy expansion, then this loop) and the
+    same loop over descriptors expanded once before timing ("pre-expanded"): the very copy of
+    our CPU kernel with no expansion at all, so its GB/s is what the access pattern itself
+    allows. Built once per source into ``build_dir`` (default
+    ``$XDG_CACHE_HOME/canonical-kv/bench``) with ``$CXX`` (default ``c++``) and -fopenmp.
+    """
+
+    def __init__(self, build_dir: str | os.PathLike | None = None, timeout_s: float = 120):
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if cxx is None:
+            raise RuntimeError("no C++ compiler (set CXX)")
+        header = (KERNEL_INCLUDE / "canonical" / "cpu_copy.h").read_text()
+        digest = hashlib.sha1((CPU_SHIM_SOURCE + header + cxx).encode()).hexdigest()[:12]
+        cache = _cache_dir(build_dir)
+        lib = cache / f"cpu_shim_{digest}.so"
+        if not lib.exists():
+            src = cache / f"cpu_shim_{digest}.cpp"
+            src.write_text(CPU_SHIM_SOURCE)
+            tmp = cache / f"cpu_shim_{digest}.{os.getpid()}.so"
+            cmd = [
+                cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-I{KERNEL_INCLUDE}",
+                str(src), "-o", str(tmp),
+            ]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            if proc.returncode:
+                raise RuntimeError(f"{cxx} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            os.replace(tmp, lib)
+        self.path = str(lib)
+        so = ctypes.CDLL(self.path)
+        so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        so.shim_prefetch_items.restype = ctypes.c_int64
+        so.shim_cpu_descriptor_copy.argtypes = (
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        )
+        so.shim_cpu_descriptor_copy.restype = None
+        self.so = so
+
+    def copier(
+        self, geo: Geometry, sides: tuple[np.ndarray, np.ndarray, np.ndarray], *, store: bool
+    ):
+        """A zero-argument call copying ``count`` descriptors from the (src, dst, size) arrays
+        (loads prefetch ahead as the canonical kernel does; stores do not)."""
+        src, dst, sizes = sides
+        count = int(src.shape[0])
+        total = count // geo.fragments_per_pair * geo.bytes_per_pair
+        ahead = (
+            0 if store else self.so.shim_prefetch_items(geo.bytes_per_pair, geo.fragments_per_pair)
+        )
+        ptrs = (src.ctypes.data, dst.ctypes.data, sizes.ctypes.data)
+        fn = self.so.shim_cpu_descriptor_copy
+
+        def copy(keep_alive=sides) -> None:  # the closure owns the arrays behind ptrs
+            fn(*ptrs, count, total, ahead, torch.get_num_threads())
+
+        return copy
+
+
+def _cache_dir(build_dir: str | os.PathLike | None) -> Path:
+    cache = Path(
+        build_dir
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "canonical-kv" / "bench"
+    )
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
+
+
 # ----------------------------------------------------------------------------- CUDA (unverified)
 
 
@@ -325,9 +439,6 @@ class BatchMemcpy:
             _, name = self._driver.cuGetErrorName(self._driver.CUresult(rc))
             raise RuntimeError(f"cuMemcpyBatchAsync failed: {rc} {name!r}")
 
-
-# kernels/include of this repository: the shim shares the fused kernel's copy loop.
-KERNEL_INCLUDE = Path(__file__).resolve().parent.parent / "kernels" / "include"
 
 SHIM_SOURCE = r"""
 // Baselines for bench_transfer.py, compiled at bench time with nvcc (no torch headers).
@@ -435,13 +546,7 @@ class CudaShim:
         arch = f"{major}{minor}"
         copy_header = (KERNEL_INCLUDE / "canonical" / "copy.cuh").read_text()
         digest = hashlib.sha1((SHIM_SOURCE + copy_header + arch).encode()).hexdigest()[:12]
-        cache = Path(
-            build_dir
-            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-            / "canonical-kv"
-            / "bench"
-        )
-        cache.mkdir(parents=True, exist_ok=True)
+        cache = _cache_dir(build_dir)
         lib = cache / f"bench_shim_{digest}.so"
         if not lib.exists():
             src = cache / f"bench_shim_{digest}.cu"

@@ -20,7 +20,10 @@ METHOD_LABELS = {
     "vllm_batch": "vLLM-style cuMemcpyBatchAsync",
     "uva_kernel": "UVA descriptor kernel",
     "per_fragment": "cudaMemcpyAsync per fragment",
+    "vllm_host": "vLLM-style expansion + copy loop",
+    "pre_expanded": "pre-expanded descriptors, same copy loop",
 }
+CPU_METHODS = ("canonical", "pre_expanded", "vllm_host", "pytorch")
 CUDA_METHODS = ("canonical", "vllm_batch", "uva_kernel", "per_fragment", "pytorch")
 
 
@@ -77,7 +80,7 @@ def fragment_line(row: dict) -> str:
     for direction in ("store", "load"):
         methods = row[direction]
         parts.append(f"{direction}: limit {methods['limit']['gbps']:.2f} GB/s")
-        for name in ("canonical", *CUDA_METHODS[1:]):
+        for name in dict.fromkeys(("canonical", *CPU_METHODS[1:], *CUDA_METHODS[1:])):
             if name in methods and "gbps" in methods[name]:
                 parts.append(f"{name} {methods[name]['gbps']:.2f} ({methods[name]['ratio']:.2f}×)")
         if "vllm_expand" in methods:
@@ -121,10 +124,14 @@ def evaluate_goals(results: dict) -> list[dict]:
                 rs, rl = ratio(row, "store"), ratio(row, "load")
                 if rs is None or rl is None:
                     continue
+                measured = f"store {rs:.2f}×, load {rl:.2f}×"
+                ps, pl = ratio(row, "store", "pre_expanded"), ratio(row, "load", "pre_expanded")
+                if ps is not None and pl is not None:
+                    measured += f" (pre-expanded, same copy loop: {ps:.2f}× / {pl:.2f}×)"
                 goals.append(dict(
                     goal=f"canonical ≥ {need}× limit at {fmt_bytes(size)} "
                     f"({_dest(row)}: {row['case']})",
-                    measured=f"store {rs:.2f}×, load {rl:.2f}×",
+                    measured=measured,
                     met=min(rs, rl) >= need,
                 ))  # fmt: skip
         whole = [r for r in rows if r["kind"] == "dense" and r["fragments_per_block"] == 1]
@@ -328,9 +335,11 @@ def _alias_note(rows: list[dict]) -> list[str]:
 def _cpu_fragment_table(rows: list[dict]) -> list[str]:
     out = [
         "| case | fragment | destination | blocks | MiB | limit GB/s | canonical store | canonical load "
+        "| pre-expanded store | pre-expanded load | vLLM-style store | vLLM-style load "
         "| PyTorch store | PyTorch load | vLLM-style expansion (host only) | canonical whole "
         "call (store / load) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- | --- |",
     ]
     for r in _sorted(rows):
         if "alias_of" in r:
@@ -339,7 +348,9 @@ def _cpu_fragment_table(rows: list[dict]) -> list[str]:
         out.append(
             f"| {r['case']} | {fmt_bytes(r['fragment_bytes'])} | {_dest(r)} | {r['blocks']} | "
             f"{r['bytes'] / 2**20:.0f} | {s['limit']['gbps']:.2f} | {_gbps_cell(s['canonical'])} | "
-            f"{_gbps_cell(ld['canonical'])} | {_gbps_cell(s.get('pytorch'))} | "
+            f"{_gbps_cell(ld['canonical'])} | {_gbps_cell(s.get('pre_expanded'))} | "
+            f"{_gbps_cell(ld.get('pre_expanded'))} | {_gbps_cell(s.get('vllm_host'))} | "
+            f"{_gbps_cell(ld.get('vllm_host'))} | {_gbps_cell(s.get('pytorch'))} | "
             f"{_gbps_cell(ld.get('pytorch'))} | {fmt_time(s['vllm_expand']['host_s'])} | "
             f"{fmt_time(s['canonical']['time_s'])} / {fmt_time(ld['canonical']['time_s'])} |"
         )
@@ -440,7 +451,18 @@ def _notes(cuda: bool) -> list[str]:
     else:
         notes += [
             "- CPU times: perf_counter around each call; the canonical whole call includes the "
-            "copy. Limit = best of torch `copy_` and numpy `copyto` of the same byte count.",
+            "copy. Limit = best of torch `copy_`, numpy `copyto`, and numpy `copyto` split "
+            "over torch's thread count (glibc memcpy), all of the same byte count.",
+            "- Ratios above 1: the canonical kernels copy in 64-byte vector blocks with "
+            "streaming stores for calls of at least 4 MiB, which on this machine beats the "
+            "contiguous copies a user gets from torch and numpy (see the dense references); "
+            "the sparse rows against the dense reference of the same fragment size show what "
+            "a TP rank's scattered 1/TP of each page costs.",
+            "- Pre-expanded: the canonical CPU kernel's own copy loop (cpu_copy.h: same vector "
+            "copy, streaming stores, load prefetch, same thread split) driven by descriptors "
+            "expanded once before timing, so it has no expansion cost at all: it is what the "
+            "access pattern allows with this copy, and canonical ≈ pre-expanded means the "
+            "on-the-fly expansion is free. vLLM-style = the expansion, then that same loop.",
         ]
     return notes
 
@@ -484,6 +506,8 @@ STYLE = {
     "vllm_batch": dict(color="C3", marker="^"),
     "uva_kernel": dict(color="C4", marker="D"),
     "per_fragment": dict(color="C5", marker="v"),
+    "vllm_host": dict(color="C3", marker="^"),
+    "pre_expanded": dict(color="C1", marker="x"),
 }
 
 

@@ -8,14 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#include <xmmintrin.h>
-#endif
-
+#include "canonical/cpu_copy.h"
 #include "canonical/host.h"
 #include "canonical/plan.h"
 
@@ -24,62 +19,15 @@ namespace {
 
 // Work items per parallel chunk: enough bytes that thread hand-off is noise.
 constexpr int64_t kBytesPerChunk = 256 * 1024;
-// Calls moving at least this much use streaming (non-temporal) stores into
-// their destination, which is then far larger than the caches: write-allocate
-// reads would add a third memory pass next to the read and the write-back.
-// Stores: cpu_pages, where a TP rank's fragments are also sparse (2x faster
-// for 256 B - 4 KiB fragments here). Loads: the kv blocks, which consecutive
-// fragments fill densely, so the write-combining buffers drain whole lines
-// (1.2-1.3x for sparse 256 B loads here, measured with 2 threads).
-constexpr int64_t kStreamingCallBytes = 4 << 20;
+// Work items expanded per batch (two batches of descriptors: 3 KiB of stack).
+constexpr int64_t kBatchItems = 64;
+static_assert(kPrefetchMaxItems <= kBatchItems, "a load prefetches at most one batch ahead");
 
-// Loads prefetch the canonical source about this many bytes of work ahead:
-// a TP rank's fragments are scattered over pages in random order, which no
-// hardware prefetcher follows, so without it each fragment waits a full miss.
-// ~1.4x for 256 B - 1 KiB fragments on 2 threads here; from 4 KiB on, the
-// hardware prefetcher streams inside the fragment and this is not used.
-constexpr int64_t kPrefetchAheadBytes = 2048;
-constexpr int64_t kPrefetchMaxItems = 16;
-constexpr int64_t kPrefetchMaxFragmentBytes = 4096;  // average fragment below which it is used
-constexpr int64_t kPrefetchBytesPerFragment = 512;   // lines asked for per fragment
-
-// Work items a load prefetches ahead (0: none).
-int64_t prefetch_items(int64_t bytes_per_pair, int64_t num_fragments) {
-  const int64_t average = std::max<int64_t>(1, bytes_per_pair / num_fragments);
-  if (average >= kPrefetchMaxFragmentBytes) return 0;
-  return std::clamp<int64_t>(kPrefetchAheadBytes / average, 2, kPrefetchMaxItems);
-}
-
-// Copies one fragment. Multiples of 64 bytes go through a 16-byte vector loop
-// (streaming stores when asked): glibc's memcpy takes `rep movsb` for 1-2 KiB
-// copies, which is slow on some AMD cores; the loop is never slower here.
-inline void copy_fragment(uint8_t* dst, const uint8_t* src, int64_t size, bool streaming) {
-#if defined(__SSE2__)
-  if ((size & 63) == 0) {
-    const bool stream = streaming && (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
-    for (int64_t i = 0; i < size; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      if (stream) {
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), a);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-      }
-    }
-    return;
-  }
-#endif
-  (void)streaming;
-  std::memcpy(dst, src, static_cast<size_t>(size));
-}
+struct CopyDescriptor {
+  uint8_t* dst;
+  const uint8_t* src;
+  int64_t size;  // 0: skip (a store's page this rank does not write)
+};
 
 // Walks work items (pair, fragment) in order, keeping the current layer's
 // bases so that only a layer change or a new pair recomputes them.
@@ -103,20 +51,6 @@ class Cursor {
       ++pair_;
       layer_ = -1;
     }
-  }
-
-  // Asks for the first lines of this item's canonical bytes (a load's source).
-  void prefetch_source(const uint8_t* pages) {
-    seek();
-#if defined(__SSE__)
-    const uint8_t* src = pages + bases_.canonical_base + record_[1];
-    const int64_t reach = std::min<int64_t>(record_[2], kPrefetchBytesPerFragment);
-    for (int64_t offset = 0; offset < reach; offset += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + offset), _MM_HINT_T0);
-    }
-#else
-    (void)pages;
-#endif
   }
 
   // Reads the current item's fragment record and, on a new pair or layer,
@@ -173,32 +107,50 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
 
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    Cursor ahead{view, blocks, page_list, begin, num_fragments};
-    for (int64_t i = 0; i < lookahead && ahead.item(num_fragments) < end; ++i) {
-      ahead.prefetch_source(pages);
-      ahead.advance(num_fragments);
-    }
+    // Expansion runs a batch ahead of the copy into a small descriptor ring, so
+    // the copy loop is as tight as one over pre-expanded descriptors and a load
+    // can prefetch `lookahead` items ahead across batch boundaries.
     Cursor cursor{view, blocks, page_list, begin, num_fragments};
-    for (int64_t w = begin; w < end; ++w) {
-      if (lookahead > 0 && ahead.item(num_fragments) < end) {
-        ahead.prefetch_source(pages);
-        ahead.advance(num_fragments);
+    CopyDescriptor batches[2][kBatchItems];
+    auto expand_batch = [&](CopyDescriptor* out, int64_t count) {
+      for (int64_t i = 0; i < count; ++i) {
+        cursor.seek();
+        const int64_t* frag = cursor.fragment_record();
+        const LayerBases& bases = cursor.bases();
+        uint8_t* kv = layer_base[frag[3]] + bases.local_base + frag[0];
+        uint8_t* canonical = pages + bases.canonical_base + frag[1];
+        if (store) {
+          out[i] = {canonical, kv, bases.is_writer ? frag[2] : 0};
+        } else {
+          out[i] = {kv, canonical, frag[2]};
+        }
+        cursor.advance(num_fragments);
       }
-      cursor.seek();
-      const int64_t* frag = cursor.fragment_record();
-      const LayerBases& bases = cursor.bases();
-      uint8_t* kv = layer_base[frag[3]] + bases.local_base + frag[0];
-      uint8_t* canonical = pages + bases.canonical_base + frag[1];
-      if (!store) {
-        copy_fragment(kv, canonical, frag[2], streaming);
-      } else if (bases.is_writer) {
-        copy_fragment(canonical, kv, frag[2], streaming);
+    };
+    int64_t current_count = std::min(kBatchItems, end - begin);
+    expand_batch(batches[0], current_count);
+    int64_t next_start = begin + current_count;
+    for (int which = 0; current_count > 0; which ^= 1) {
+      const CopyDescriptor* current = batches[which];
+      CopyDescriptor* next = batches[which ^ 1];
+      const int64_t next_count = std::min(kBatchItems, end - next_start);
+      expand_batch(next, next_count);
+      for (int64_t i = 0; i < current_count; ++i) {
+        if (lookahead > 0) {
+          const int64_t j = i + lookahead;
+          const CopyDescriptor* ahead = j < current_count ? current + j
+                                        : j - current_count < next_count
+                                            ? next + (j - current_count)
+                                            : nullptr;
+          if (ahead != nullptr) prefetch_fragment(ahead->src, ahead->size);
+        }
+        const CopyDescriptor& d = current[i];
+        if (d.size > 0) copy_fragment(d.dst, d.src, d.size, streaming);
       }
-      cursor.advance(num_fragments);
+      current_count = next_count;
+      next_start += next_count;
     }
-#if defined(__SSE2__)
-    if (streaming) _mm_sfence();  // streaming stores are weakly ordered: publish them
-#endif
+    if (streaming) publish_streaming_stores();
   });
 }
 

@@ -1,0 +1,96 @@
+// The CPU kernel's fragment copy and load prefetch. Header-only and free of
+// torch so that the benchmark's descriptor-driven CPU baseline
+// (bench/_baselines.py, CpuShim) runs exactly this copy: that baseline then
+// differs from canonical_store / canonical_load only by having no expansion.
+#pragma once
+
+#include <stdint.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
+
+namespace canonical {
+
+// Calls moving at least this much use streaming (non-temporal) stores into
+// their destination, which is then far larger than the caches: write-allocate
+// reads would add a third memory pass next to the read and the write-back.
+// Stores: cpu_pages, where a TP rank's fragments are also sparse (2x faster
+// for 256 B - 4 KiB fragments here). Loads: the kv blocks, which consecutive
+// fragments fill densely, so the write-combining buffers drain whole lines
+// (1.2-1.3x for sparse 256 B loads here, measured with 2 threads).
+constexpr int64_t kStreamingCallBytes = 4 << 20;
+
+// Loads prefetch the canonical source about this many bytes of work ahead:
+// a TP rank's fragments are scattered over pages in random order, which no
+// hardware prefetcher follows, so without it each fragment waits a full miss.
+// ~1.4x for 256 B - 1 KiB fragments on 2 threads here; from 4 KiB on, the
+// hardware prefetcher streams inside the fragment and this is not used.
+constexpr int64_t kPrefetchAheadBytes = 2048;
+constexpr int64_t kPrefetchMaxItems = 16;
+constexpr int64_t kPrefetchMaxFragmentBytes = 4096;  // average fragment below which it is used
+constexpr int64_t kPrefetchBytesPerFragment = 512;   // lines asked for per fragment
+
+// Work items a load prefetches ahead (0: none).
+inline int64_t prefetch_items(int64_t bytes_per_pair, int64_t num_fragments) {
+  const int64_t average = std::max<int64_t>(1, bytes_per_pair / num_fragments);
+  if (average >= kPrefetchMaxFragmentBytes) return 0;
+  return std::clamp<int64_t>(kPrefetchAheadBytes / average, 2, kPrefetchMaxItems);
+}
+
+// Copies one fragment. Multiples of 64 bytes go through a 16-byte vector loop
+// (streaming stores when asked): glibc's memcpy takes `rep movsb` for 1-2 KiB
+// copies, which is slow on some AMD cores; the loop is never slower here.
+inline void copy_fragment(uint8_t* dst, const uint8_t* src, int64_t size, bool streaming) {
+#if defined(__SSE2__)
+  if ((size & 63) == 0) {
+    const bool stream = streaming && (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
+    for (int64_t i = 0; i < size; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      if (stream) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), a);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+      }
+    }
+    return;
+  }
+#endif
+  (void)streaming;
+  std::memcpy(dst, src, static_cast<size_t>(size));
+}
+
+// Asks for the first lines of a load's source fragment.
+inline void prefetch_fragment(const uint8_t* src, int64_t size) {
+#if defined(__SSE__)
+  const int64_t reach = std::min<int64_t>(size, kPrefetchBytesPerFragment);
+  for (int64_t offset = 0; offset < reach; offset += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + offset), _MM_HINT_T0);
+  }
+#else
+  (void)src;
+  (void)size;
+#endif
+}
+
+// Streaming stores are weakly ordered: each thread publishes its own.
+inline void publish_streaming_stores() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace canonical
