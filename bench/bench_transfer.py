@@ -209,6 +209,17 @@ def make_config(quick: bool, cuda: bool) -> Config:
 # ----------------------------------------------------------------------------- workspace
 
 
+def _page_aligned(nbytes: int, **kwargs) -> torch.Tensor:
+    """A uint8 tensor starting on a 4 KiB boundary, as a real page store does (a shared
+    memory region or a pinned cudaHostAlloc buffer). torch's CPU allocator returns addresses
+    64 bytes past a page boundary, which would make every 4 KiB fragment straddle two pages."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, **kwargs)
+    return raw[(-raw.data_ptr()) % _PAGE :][:nbytes]
+
+
+_PAGE = 4096
+
+
 class Workspace:
     """Pools reused by every case (no per-case allocation, pinned once on CUDA)."""
 
@@ -216,12 +227,12 @@ class Workspace:
         cuda = device.type == "cuda"
         self.device, self.cuda = device, cuda
         with nvtx_range("workspace"):
-            self.kv = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
+            self.kv = _page_aligned(kv_bytes, device=device)
             self.kv.fill_(1)
-            self.pages = torch.empty(pages_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self.pages = _page_aligned(pages_bytes, pin_memory=cuda)
             self.pages.fill_(2)
             # The limit's other side (CPU: destination; CUDA: pinned host end of the copy).
-            self.limit = torch.empty(kv_bytes, dtype=torch.uint8, pin_memory=cuda)
+            self.limit = _page_aligned(kv_bytes, pin_memory=cuda)
             self.limit.fill_(3)
             self.desc = torch.empty(desc_words, dtype=torch.int64, pin_memory=cuda)
             self.desc_np = self.desc.numpy()
