@@ -43,6 +43,7 @@ bench: install
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'kernels/*.cpp' 'kernels/*.h' 'kernels/*.cu' 'kernels/*.cuh')
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

@@ -44,16 +44,16 @@ void check_ids(const char* name, const at::Tensor& ids, const at::Device& kv_dev
 }  // namespace
 
 void verify_plan_words(const int64_t* w, int64_t num_words) {
-  TORCH_CHECK_VALUE(num_words >= kHeaderWords && w[kMagic] == kPlanMagic,
-                    "plan: not a canonical plan (bad magic); build it with canonical_ops.make_plan");
+  TORCH_CHECK_VALUE(
+      num_words >= kHeaderWords && w[kMagic] == kPlanMagic,
+      "plan: not a canonical plan (bad magic); build it with canonical_ops.make_plan");
   TORCH_CHECK_VALUE(w[kVersion] == kPlanVersion, "plan: expected plan version ", kPlanVersion,
                     ", got ", w[kVersion]);
   const int64_t num_layers = w[kNumLayers];
   const int64_t num_fragments = w[kNumFragments];
-  TORCH_CHECK_VALUE(num_layers >= 1 && num_fragments >= 0 &&
-                        num_words == plan_words(num_layers, num_fragments),
-                    "plan: expected ", "plan_words(num_layers, num_fragments) words, got ",
-                    num_words);
+  TORCH_CHECK_VALUE(
+      num_layers >= 1 && num_fragments >= 0 && num_words == plan_words(num_layers, num_fragments),
+      "plan: expected ", "plan_words(num_layers, num_fragments) words, got ", num_words);
   const PlanView plan{w};
   const int64_t pages_per_row = plan.header(kPagesPerRow);
   const int64_t required_row_bytes = plan.header(kRequiredRowBytes);
@@ -61,28 +61,26 @@ void verify_plan_words(const int64_t* w, int64_t num_words) {
                     "plan: corrupt header (pages_per_row / row bytes)");
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* rec = plan.layer(l);
-    const int64_t next_first = l + 1 < num_layers ? plan.layer(l + 1)[kFirstFragment]
-                                                  : num_fragments;
-    const bool ok = rec[kLocalPageBytes] >= 0 && rec[kLocalPageBytes] <= rec[kBlockStrideBytes] &&
-                    rec[kNumBlocks] >= 0 && rec[kCanonicalPageBytes] >= 0 &&
-                    rec[kAreaOffsetBytes] >= 0 &&
-                    rec[kAreaOffsetBytes] + pages_per_row * rec[kCanonicalPageBytes] <=
-                        required_row_bytes &&
-                    rec[kNumWriters] >= 1 && rec[kWriterIndex] >= 0 &&
-                    rec[kWriterIndex] < rec[kNumWriters] && rec[kFirstFragment] >= 0 &&
-                    rec[kFirstFragment] <= next_first && next_first <= num_fragments;
+    const int64_t next_first =
+        l + 1 < num_layers ? plan.layer(l + 1)[kFirstFragment] : num_fragments;
+    const bool ok =
+        rec[kLocalPageBytes] >= 0 && rec[kLocalPageBytes] <= rec[kBlockStrideBytes] &&
+        rec[kNumBlocks] >= 0 && rec[kCanonicalPageBytes] >= 0 && rec[kAreaOffsetBytes] >= 0 &&
+        rec[kAreaOffsetBytes] + pages_per_row * rec[kCanonicalPageBytes] <= required_row_bytes &&
+        rec[kNumWriters] >= 1 && rec[kWriterIndex] >= 0 && rec[kWriterIndex] < rec[kNumWriters] &&
+        rec[kFirstFragment] >= 0 && rec[kFirstFragment] <= next_first &&
+        next_first <= num_fragments;
     TORCH_CHECK_VALUE(ok, "plan: corrupt record of layer ", l);
   }
   for (int64_t f = 0; f < num_fragments; ++f) {
     const int64_t* frag = plan.fragment(f);
     const int64_t layer = frag[3];
-    TORCH_CHECK_VALUE(layer >= 0 && layer < num_layers, "plan: fragment ", f,
-                      " names layer ", layer);
+    TORCH_CHECK_VALUE(layer >= 0 && layer < num_layers, "plan: fragment ", f, " names layer ",
+                      layer);
     const int64_t* rec = plan.layer(layer);
-    const bool ok = frag[0] >= 0 && frag[1] >= 0 && frag[2] > 0 &&
-                    frag[0] + frag[2] <= rec[kLocalPageBytes] &&
-                    frag[1] + frag[2] <= rec[kCanonicalPageBytes] &&
-                    frag[2] <= plan.header(kMaxFragmentBytes);
+    const bool ok =
+        frag[0] >= 0 && frag[1] >= 0 && frag[2] > 0 && frag[0] + frag[2] <= rec[kLocalPageBytes] &&
+        frag[1] + frag[2] <= rec[kCanonicalPageBytes] && frag[2] <= plan.header(kMaxFragmentBytes);
     TORCH_CHECK_VALUE(ok, "plan: fragment ", f, " of layer ", layer, " leaves its pages");
   }
 }
@@ -98,22 +96,22 @@ CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tenso
                     " (the kv_caches device), got ", device_str(plan.device()));
 
   const int64_t num_layers = host_plan.num_layers();
-  TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) == num_layers,
-                    "plan: built for ", num_layers, " layers, but kv_caches has ",
-                    kv_caches.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) == num_layers, "plan: built for ",
+                    num_layers, " layers, but kv_caches has ", kv_caches.size());
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor& kv = kv_caches[l];
     const std::string name = "kv_caches[" + std::to_string(l) + "]";
     TORCH_CHECK_VALUE(kv.device() == device, name, ": expected a tensor on ", device_str(device),
                       " like kv_caches[0], got ", device_str(kv.device()));
-    TORCH_CHECK_VALUE(kv.dim() >= 1, name, ": expected a leading block dimension, got a 0-D tensor");
+    TORCH_CHECK_VALUE(kv.dim() >= 1, name,
+                      ": expected a leading block dimension, got a 0-D tensor");
     const int64_t* rec = host_plan.layer(l);
     const int64_t block_stride = kv.stride(0) * static_cast<int64_t>(kv.element_size());
     TORCH_CHECK_VALUE(kv.size(0) == rec[kNumBlocks], name, ": plan built for ", rec[kNumBlocks],
                       " blocks, got ", kv.size(0));
     TORCH_CHECK_VALUE(block_stride == rec[kBlockStrideBytes], name,
-                      ": plan built for a block stride of ", rec[kBlockStrideBytes],
-                      " bytes, got ", block_stride);
+                      ": plan built for a block stride of ", rec[kBlockStrideBytes], " bytes, got ",
+                      block_stride);
     if (kv.size(0) > 0) {
       check_storage_extent(kv, (kv.size(0) - 1) * block_stride + rec[kLocalPageBytes], name);
     }
@@ -123,15 +121,16 @@ CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tenso
                     device_str(cpu_pages.device()));
   TORCH_CHECK_TYPE(cpu_pages.scalar_type() == at::kByte, "cpu_pages: expected dtype uint8, got ",
                    cpu_pages.scalar_type());
-  TORCH_CHECK_VALUE(cpu_pages.dim() == 2, "cpu_pages: expected a 2-D (rows, row_bytes) tensor, got ",
-                    cpu_pages.dim(), "-D");
+  TORCH_CHECK_VALUE(cpu_pages.dim() == 2,
+                    "cpu_pages: expected a 2-D (rows, row_bytes) tensor, got ", cpu_pages.dim(),
+                    "-D");
   TORCH_CHECK_VALUE(cpu_pages.stride(1) == 1 || cpu_pages.size(1) <= 1,
                     "cpu_pages: expected contiguous rows (stride(1) == 1), got stride(1) = ",
                     cpu_pages.stride(1));
   const int64_t row_bytes = host_plan.header(kRowBytes);
   TORCH_CHECK_VALUE(cpu_pages.stride(0) == row_bytes || cpu_pages.size(0) <= 1,
-                    "cpu_pages: plan built for rows ", row_bytes, " bytes apart, got stride(0) = ",
-                    cpu_pages.stride(0));
+                    "cpu_pages: plan built for rows ", row_bytes,
+                    " bytes apart, got stride(0) = ", cpu_pages.stride(0));
   TORCH_CHECK_VALUE(cpu_pages.size(1) >= host_plan.header(kRequiredRowBytes),
                     "cpu_pages: plan needs rows of at least ", host_plan.header(kRequiredRowBytes),
                     " bytes, got ", cpu_pages.size(1));
@@ -228,8 +227,8 @@ const PlanEntry* find_plan(const at::Tensor& plan) {
 
 const PlanEntry& remember_plan(const at::Tensor& plan, std::vector<int64_t> words) {
   verify_plan_words(words.data(), static_cast<int64_t>(words.size()));
-  TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) == plan.numel(),
-                    "plan: host copy has ", words.size(), " words, the plan ", plan.numel());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(words.size()) == plan.numel(), "plan: host copy has ",
+                    words.size(), " words, the plan ", plan.numel());
   auto entry = std::make_unique<PlanEntry>();
   entry->words = std::move(words);
   entry->error = at::zeros({4}, plan.options().dtype(at::kLong));

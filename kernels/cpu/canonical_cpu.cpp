@@ -41,7 +41,6 @@ class Cursor {
         pair_(item / num_fragments),
         fragment_(item % num_fragments) {}
 
-  int64_t item(int64_t num_fragments) const { return pair_ * num_fragments + fragment_; }
   const int64_t* fragment_record() const { return record_; }
   const LayerBases& bases() const { return bases_; }
 
@@ -86,8 +85,7 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   // A CPU plan is host memory: verify it each call (cheap next to the copy).
   verify_plan_words(plan.data_ptr<int64_t>(), plan.numel());
   const PlanView view{plan.data_ptr<int64_t>()};
-  const CallInfo info =
-      validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view);
+  const CallInfo info = validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view);
   const int64_t num_fragments = view.num_fragments();
   const int64_t total = info.num_pairs * num_fragments;
   if (total == 0) return;
@@ -100,16 +98,16 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   const int64_t* blocks = block_ids.data_ptr<int64_t>();
   const int64_t* page_list = page_ids.data_ptr<int64_t>();
   const int64_t bytes_per_pair = std::max<int64_t>(1, view.header(kBytesPerPair));
-  const int64_t grain = std::max<int64_t>(
-      1, kBytesPerChunk * num_fragments / bytes_per_pair);
+  const int64_t grain = std::max<int64_t>(1, kBytesPerChunk * num_fragments / bytes_per_pair);
 
   const bool streaming = info.num_pairs * bytes_per_pair >= kStreamingCallBytes;
   const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
 
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    // Expansion runs a batch ahead of the copy into a small descriptor ring, so
-    // the copy loop is as tight as one over pre-expanded descriptors and a load
-    // can prefetch `lookahead` items ahead across batch boundaries.
+    // Expansion runs one batch ahead of the copy (two batches of descriptors
+    // used in turn), so the copy loop is as tight as one over pre-expanded
+    // descriptors and a load can prefetch `lookahead` items ahead across the
+    // batch boundary.
     Cursor cursor{view, blocks, page_list, begin, num_fragments};
     CopyDescriptor batches[2][kBatchItems];
     auto expand_batch = [&](CopyDescriptor* out, int64_t count) {

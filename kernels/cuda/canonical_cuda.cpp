@@ -43,7 +43,8 @@ T* device_address(const char* name, T* host_ptr) {
   }
   TORCH_CHECK_VALUE(status == cudaSuccess && attributes.type == cudaMemoryTypeHost &&
                         attributes.devicePointer != nullptr,
-                    name, ": host memory is not pinned or registered for the device; use "
+                    name,
+                    ": host memory is not pinned or registered for the device; use "
                     "pin_memory() or cudaHostRegister");
   return static_cast<T*>(attributes.devicePointer);
 }

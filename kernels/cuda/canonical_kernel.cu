@@ -31,8 +31,7 @@ __global__ void __launch_bounds__(kThreads)
     canonical_copy_kernel(const __grid_constant__ LaunchArgs args) {
   const PlanView plan{args.plan};
   const int lane = threadIdx.x % kGroup;
-  const int64_t first_group =
-      (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kGroup;
+  const int64_t first_group = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kGroup;
   const int64_t num_groups = static_cast<int64_t>(gridDim.x) * kThreads / kGroup;
   const int64_t total = args.num_pairs * args.num_fragments;
   for (int64_t w = first_group; w < total; w += num_groups) {
@@ -45,8 +44,7 @@ __global__ void __launch_bounds__(kThreads)
       // Skip the item, touch nothing; the host raises at the next check.
       if (lane == 0) {
         const bool block_ok = block_id >= 0 && block_id < plan.layer(layer)[kNumBlocks];
-        report_error(args.error, block_ok ? kErrorPageId : kErrorBlockId, pair, block_id,
-                     page_id);
+        report_error(args.error, block_ok ? kErrorPageId : kErrorBlockId, pair, block_id, page_id);
       }
       continue;
     }
@@ -63,8 +61,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int kGroup>
-cudaError_t launch_group(const LaunchArgs& args, const LaunchConfig& config,
-                         cudaStream_t stream) {
+cudaError_t launch_group(const LaunchArgs& args, const LaunchConfig& config, cudaStream_t stream) {
   static int blocks_per_sm = 0;  // occupancy of this instantiation, computed once
   if (blocks_per_sm == 0) {
     const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -17,11 +17,11 @@ struct LaunchArgs {
   const int64_t* page_ids;   // device, or pinned host (read through UVA)
   int64_t num_pairs;
   int64_t num_fragments;
-  int64_t num_rows;        // cpu_pages.size(0), for the device-side page id check
-  uint8_t* cpu_pages;      // device-usable address of pinned / registered host memory
-  int64_t* error;          // device int64[4]: code bits, first bad pair + 1, its block, its page
+  int64_t num_rows;    // cpu_pages.size(0), for the device-side page id check
+  uint8_t* cpu_pages;  // device-usable address of pinned / registered host memory
+  int64_t* error;      // device int64[4]: code bits, first bad pair + 1, its block, its page
   int32_t num_layers;
-  int32_t store;           // 1: kv -> cpu_pages (writers only); 0: cpu_pages -> kv
+  int32_t store;  // 1: kv -> cpu_pages (writers only); 0: cpu_pages -> kv
   uint8_t* layer_base[kMaxLayers];
 };
 

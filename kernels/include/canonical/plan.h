@@ -42,9 +42,8 @@
 // consecutive items walk one block's local page in address order.
 #pragma once
 
-#include <stdint.h>
-
 #include <c10/macros/Macros.h>
+#include <stdint.h>
 
 namespace canonical {
 
@@ -112,7 +111,7 @@ struct Expanded {
   int64_t local_byte;      // from kv_caches[layer].data_ptr()
   int64_t canonical_byte;  // from cpu_pages.data_ptr()
   int64_t size;
-  bool is_writer;          // page_id % num_writers == writer_index
+  bool is_writer;  // page_id % num_writers == writer_index
 };
 
 // Where layer `layer`'s pages of the pair (block_id, page_id) start: the bases
@@ -125,16 +124,16 @@ struct LayerBases {
   bool is_writer;          // page_id % num_writers == writer_index
 };
 
-C10_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t layer,
-                                              int64_t block_id, int64_t page_id) {
+C10_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t layer, int64_t block_id,
+                                              int64_t page_id) {
   const int64_t* rec = plan.layer(layer);
   const int64_t pages_per_row = plan.header(kPagesPerRow);
   const int64_t row = page_id / pages_per_row;
   const int64_t slot = page_id - row * pages_per_row;
   LayerBases out;
   out.local_base = block_id * rec[kBlockStrideBytes];
-  out.canonical_base = row * plan.header(kRowBytes) + rec[kAreaOffsetBytes] +
-                       slot * rec[kCanonicalPageBytes];
+  out.canonical_base =
+      row * plan.header(kRowBytes) + rec[kAreaOffsetBytes] + slot * rec[kCanonicalPageBytes];
   out.is_writer = page_id % rec[kNumWriters] == rec[kWriterIndex];
   return out;
 }
