@@ -33,7 +33,7 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -334,22 +334,16 @@ class CpuShim:
         if cxx is None:
             raise RuntimeError("no C++ compiler (set CXX)")
         header = (KERNEL_INCLUDE / "canonical" / "cpu_copy.h").read_text()
-        digest = hashlib.sha1((CPU_SHIM_SOURCE + header + cxx).encode()).hexdigest()[:12]
-        cache = _cache_dir(build_dir)
-        lib = cache / f"cpu_shim_{digest}.so"
-        if not lib.exists():
-            src = cache / f"cpu_shim_{digest}.cpp"
-            src.write_text(CPU_SHIM_SOURCE)
-            tmp = cache / f"cpu_shim_{digest}.{os.getpid()}.so"
-            cmd = [
+
+        def command(src: Path, out: Path) -> list[str]:
+            return [
                 cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-I{KERNEL_INCLUDE}",
-                str(src), "-o", str(tmp),
+                str(src), "-o", str(out),
             ]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            if proc.returncode:
-                raise RuntimeError(f"{cxx} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-            os.replace(tmp, lib)
-        self.path = str(lib)
+
+        self.path = _built_library(
+            build_dir, "cpu_shim", ".cpp", CPU_SHIM_SOURCE, header + cxx, command, timeout_s
+        )
         so = ctypes.CDLL(self.path)
         so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64]
         so.shim_prefetch_items.restype = ctypes.c_int64
@@ -377,6 +371,33 @@ class CpuShim:
             fn(*ptrs, count, total, ahead, torch.get_num_threads())
 
         return copy
+
+
+def _built_library(
+    build_dir: str | os.PathLike | None,
+    name: str,
+    suffix: str,
+    source: str,
+    fingerprint: str,
+    command: Callable[[Path, Path], list[str]],
+    timeout_s: float,
+) -> str:
+    """Compiles ``source`` once per content (+ ``fingerprint``: headers, compiler, arch) into
+    the bench build cache and returns the shared library's path; ``command(src, out)`` is the
+    compiler command line."""
+    digest = hashlib.sha1((source + fingerprint).encode()).hexdigest()[:12]
+    cache = _cache_dir(build_dir)
+    lib = cache / f"{name}_{digest}.so"
+    if not lib.exists():
+        src = cache / f"{name}_{digest}{suffix}"
+        src.write_text(source)
+        tmp = cache / f"{name}_{digest}.{os.getpid()}.so"
+        cmd = command(src, tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode:
+            raise RuntimeError(f"{cmd[0]} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    return str(lib)
 
 
 def _cache_dir(build_dir: str | os.PathLike | None) -> Path:
@@ -545,22 +566,16 @@ class CudaShim:
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
         copy_header = (KERNEL_INCLUDE / "canonical" / "copy.cuh").read_text()
-        digest = hashlib.sha1((SHIM_SOURCE + copy_header + arch).encode()).hexdigest()[:12]
-        cache = _cache_dir(build_dir)
-        lib = cache / f"bench_shim_{digest}.so"
-        if not lib.exists():
-            src = cache / f"bench_shim_{digest}.cu"
-            src.write_text(SHIM_SOURCE)
-            tmp = cache / f"bench_shim_{digest}.{os.getpid()}.so"
-            cmd = [
+
+        def command(src: Path, out: Path) -> list[str]:
+            return [
                 nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", f"-I{KERNEL_INCLUDE}",
-                f"-gencode=arch=compute_{arch},code=sm_{arch}", str(src), "-o", str(tmp),
+                f"-gencode=arch=compute_{arch},code=sm_{arch}", str(src), "-o", str(out),
             ]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            if proc.returncode:
-                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-            os.replace(tmp, lib)
-        self.path = str(lib)
+
+        self.path = _built_library(
+            build_dir, "bench_shim", ".cu", SHIM_SOURCE, copy_header + arch, command, timeout_s
+        )
         so = ctypes.CDLL(self.path)
         i64p = ctypes.c_void_p
         so.shim_threads.restype = ctypes.c_int
