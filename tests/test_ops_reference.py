@@ -8,6 +8,8 @@ tests check the ops end to end against ``layout_truth`` (first principles).
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from ops_helpers import (
     make_kv_cache,
     make_pages,
     random_case,
+    random_pairs,
     ref_load,
     ref_store,
     run_cross_topology,
@@ -149,6 +152,91 @@ def test_large_call_with_unaligned_kv_blocks_matches_reference():
     stride = setup.kv[0].block_stride_bytes
     assert stride % 16 == 2 and case.num_pairs * stride >= 4 << 20
     check_store_and_load(setup)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_copies_on_its_own_threads_without_hanging():
+    """libgomp cannot run a parallel region in a child forked after its parent ran one (torch's
+    own CPU ops hang there): the CPU kernel then splits its work over its own threads. The
+    child only calls our ops and numpy (a torch op with 2 threads would hang it), and must
+    reproduce the bytes the parent's OpenMP calls wrote, on 2 threads."""
+    case = Case(
+        layers=(LayerConfig("full", "packed", "HND", 128, "bfloat16", 8),),
+        tp=2,
+        block_size=16,
+        num_blocks=96,
+        num_rows=96,
+        num_pairs=90,
+        seed=23,
+    )
+    setup = build_setup(case)
+    rng = np.random.default_rng(3)
+    blocks, page_ids = random_pairs(rng, case.num_blocks, case.num_rows, case.num_pairs)
+    ids = (ids_tensor(blocks), ids_tensor(page_ids))
+    kv = [cache.tensor for cache in setup.kv]
+    kv_bytes = [cache.base.numpy() for cache in setup.kv]
+    pages_bytes = setup.pages.flat.numpy()
+    before = (pages_bytes.copy(), [b.copy() for b in kv_bytes])
+
+    def store_then_load() -> tuple[np.ndarray, list[np.ndarray]]:
+        pages_bytes[:] = before[0]
+        for b, original in zip(kv_bytes, before[1]):
+            b[:] = original
+        canonical_ops.store(kv, setup.pages.tensor, setup.plan, *ids)
+        stored = pages_bytes.copy()
+        for b in kv_bytes:
+            b[:] = 0
+        canonical_ops.load(kv, setup.pages.tensor, setup.plan, *ids)
+        return stored, [b.copy() for b in kv_bytes]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert case.num_pairs * setup.kv[0].block_stride_bytes > 1 << 20  # a parallel call
+        expected_pages, expected_kv = store_then_load()  # the parent runs parallel regions
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            code = 3
+            try:
+                stored, loaded = store_then_load()
+                same = np.array_equal(stored, expected_pages) and all(
+                    np.array_equal(a, b) for a, b in zip(loaded, expected_kv)
+                )
+                threads = torch.ops.canonical._cpu_threads_used(64) == min(2, os.cpu_count() or 1)
+                code = 0 if same and threads else (1 if not same else 2)
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung in a CPU transfer")
+            time.sleep(0.05)
+        # 1: different bytes, 2: not on 2 threads, 3: raised
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _threads_used_with_two() -> int:
+    torch.set_num_threads(2)
+    return int(torch.ops.canonical._cpu_threads_used(64))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs at least 2 CPU cores")
+def test_forkserver_children_keep_every_thread():
+    """Children of a forkserver that preloaded canonical_ops are forked children: the CPU
+    kernel must still use every thread there."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "canonical_ops"])
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_threads_used_with_two).get(timeout=120) == 2
 
 
 def test_large_store_replicated_writers_match_reference():

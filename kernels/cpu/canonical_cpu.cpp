@@ -1,13 +1,19 @@
 // CPU kernels of canonical_store / canonical_load: at::parallel_for over work
 // items (pair, fragment), one vector copy per fragment, expansion from plan.h
 // (layer_bases once per pair and layer). Built with -fopenmp: at::parallel_for
-// is inline OpenMP and runs serially without it (cpu_threads_used checks).
+// is inline OpenMP and runs serially without it (cpu_threads_used checks). A
+// forked child splits the same way over std::threads (see forked_child).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <pthread.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "canonical/cpu_copy.h"
@@ -22,6 +28,50 @@ constexpr int64_t kBytesPerChunk = 256 * 1024;
 // Work items expanded per batch (two batches of descriptors: 3 KiB of stack).
 constexpr int64_t kBatchItems = 64;
 static_assert(kPrefetchMaxItems <= kBatchItems, "a load prefetches at most one batch ahead");
+
+// libgomp cannot run a parallel region in a child forked from a process that
+// has already run one: its pool threads did not survive the fork and the region
+// waits for them forever (torch's own CPU ops hang there the same way). libgomp
+// cannot say whether its pool exists, so in any forked child the kernel splits
+// its work over threads of its own, started for the call and joined before it
+// returns: same split, no OpenMP.
+std::atomic<bool> forked_child{false};
+
+void mark_forked_child() { forked_child.store(true); }
+
+[[maybe_unused]] const bool fork_handler_registered = [] {
+  return pthread_atfork(nullptr, nullptr, &mark_forked_child) == 0;
+}();
+
+// at::parallel_for's split of [begin, end) (at most get_num_threads() chunks of
+// at least `grain` items), run by OpenMP, or by std::threads in a forked child.
+// `body` must not throw.
+template <typename F>
+void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& body) {
+  if (!forked_child.load()) {
+    at::parallel_for(begin, end, grain, body);
+    return;
+  }
+  if (begin >= end) return;
+  const int64_t range = end - begin;
+  const int64_t chunks = std::max<int64_t>(
+      1,
+      std::min<int64_t>(at::get_num_threads(), (range + grain - 1) / std::max<int64_t>(1, grain)));
+  const int64_t chunk = (range + chunks - 1) / chunks;
+  std::vector<std::thread> helpers;
+  int64_t first = begin + chunk;
+  for (; first < end; first += chunk) {
+    try {
+      helpers.emplace_back(
+          [&body, first, end, chunk] { body(first, std::min(end, first + chunk)); });
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the chunks left run on this one
+    }
+  }
+  body(begin, std::min(end, begin + chunk));
+  for (; first < end; first += chunk) body(first, std::min(end, first + chunk));
+  for (auto& helper : helpers) helper.join();
+}
 
 struct CopyDescriptor {
   uint8_t* dst;
@@ -103,7 +153,7 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   const bool streaming = info.num_pairs * bytes_per_pair >= kStreamingCallBytes;
   const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
 
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
     // Expansion runs one batch ahead of the copy (two batches of descriptors
     // used in turn), so the copy loop is as tight as one over pre-expanded
     // descriptors and a load can prefetch `lookahead` items ahead across the
@@ -168,14 +218,13 @@ void canonical_load_cpu(at::TensorList kv_caches, const at::Tensor& cpu_pages,
 
 int64_t cpu_threads_used(int64_t work_items) {
   TORCH_CHECK_VALUE(work_items >= 1, "work_items: expected >= 1, got ", work_items);
-  std::vector<std::atomic<bool>> seen(static_cast<size_t>(at::get_num_threads()));
-  at::parallel_for(0, work_items, 1, [&](int64_t, int64_t) {
-    const auto id = static_cast<size_t>(at::get_thread_num());
-    if (id < seen.size()) seen[id].store(true);
+  std::mutex mutex;
+  std::set<std::thread::id> seen;
+  parallel_range(0, work_items, 1, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    seen.insert(std::this_thread::get_id());
   });
-  int64_t used = 0;
-  for (const auto& flag : seen) used += flag.load() ? 1 : 0;
-  return used;
+  return static_cast<int64_t>(seen.size());
 }
 
 }  // namespace canonical

@@ -45,9 +45,10 @@ const PlanEntry& remember_plan(const at::Tensor& plan, std::vector<int64_t> word
 
 int sm_budget();
 
-// How many threads at::parallel_for spread `work_items` single items over in
-// the CPU kernel's translation unit: a test's guard against a build without
-// OpenMP, where at::parallel_for silently runs serially.
+// How many threads the CPU kernel's parallel loop spreads `work_items` single
+// items over: a test's guard against a build without OpenMP (where
+// at::parallel_for silently runs serially) and a check that a forked child
+// copies on one thread.
 int64_t cpu_threads_used(int64_t work_items);
 
 }  // namespace canonical
