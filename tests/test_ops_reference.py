@@ -154,8 +154,17 @@ def test_large_call_with_unaligned_kv_blocks_matches_reference():
     check_store_and_load(setup)
 
 
+@pytest.fixture
+def two_torch_threads():
+    """torch's intra-op thread count set to 2 for the test, then restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_forked_child_copies_on_its_own_threads_without_hanging():
+def test_forked_child_copies_on_its_own_threads_without_hanging(two_torch_threads):
     """libgomp cannot run a parallel region in a child forked after its parent ran one (torch's
     own CPU ops hang there): the CPU kernel then splits its work over its own threads. The
     child only calls our ops and numpy (a torch op with 2 threads would hang it), and must
@@ -189,37 +198,32 @@ def test_forked_child_copies_on_its_own_threads_without_hanging():
         canonical_ops.load(kv, setup.pages.tensor, setup.plan, *ids)
         return stored, [b.copy() for b in kv_bytes]
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert case.num_pairs * setup.kv[0].block_stride_bytes > 1 << 20  # a parallel call
-        expected_pages, expected_kv = store_then_load()  # the parent runs parallel regions
-        pid = os.fork()
-        if pid == 0:  # child: never returns into pytest
-            code = 3
-            try:
-                stored, loaded = store_then_load()
-                same = np.array_equal(stored, expected_pages) and all(
-                    np.array_equal(a, b) for a, b in zip(loaded, expected_kv)
-                )
-                threads = torch.ops.canonical._cpu_threads_used(64) == min(2, os.cpu_count() or 1)
-                code = 0 if same and threads else (1 if not same else 2)
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child hung in a CPU transfer")
-            time.sleep(0.05)
-        # 1: different bytes, 2: not on 2 threads, 3: raised
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        torch.set_num_threads(previous)
+    assert case.num_pairs * setup.kv[0].block_stride_bytes > 1 << 20  # a parallel call
+    expected_pages, expected_kv = store_then_load()  # the parent runs parallel regions
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 3
+        try:
+            stored, loaded = store_then_load()
+            same = np.array_equal(stored, expected_pages) and all(
+                np.array_equal(a, b) for a, b in zip(loaded, expected_kv)
+            )
+            threads = torch.ops.canonical._cpu_threads_used(64) == min(2, os.cpu_count() or 1)
+            code = 0 if same and threads else (1 if not same else 2)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in a CPU transfer")
+        time.sleep(0.05)
+    # 1: different bytes, 2: not on 2 threads, 3: raised
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def _threads_used_with_two() -> int:
@@ -339,14 +343,9 @@ def test_built_with_cuda_is_a_bool():
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs at least 2 CPU cores")
-def test_cpu_kernel_runs_on_several_threads():
+def test_cpu_kernel_runs_on_several_threads(two_torch_threads):
     """at::parallel_for is inline OpenMP: built without -fopenmp it silently runs serially."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.ops.canonical._cpu_threads_used(64) == 2
-    finally:
-        torch.set_num_threads(previous)
+    assert torch.ops.canonical._cpu_threads_used(64) == 2
 
 
 # --------------------------------------------------------------------------- cross-topology
