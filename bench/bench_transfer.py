@@ -438,8 +438,14 @@ class Bench:
 
     # -- method closures -----------------------------------------------------------------
 
-    def methods(self, s: Setup, direction: str) -> dict[str, Callable[[], object]]:
-        """name -> zero-argument call moving ``s``'s bytes in ``direction`` (limit excluded)."""
+    def methods(
+        self, s: Setup, direction: str, *, host_sweep: bool = False
+    ) -> dict[str, Callable[[], object]]:
+        """name -> zero-argument call moving ``s``'s bytes in ``direction`` (limit excluded).
+
+        ``host_sweep``: for the host-time sweeps, which time only canonical and the expansion:
+        the CPU descriptor-loop baselines (whose pre-expanded descriptors cost an expansion and
+        a copy to build) are not made."""
         store = direction == "store"
         op = canonical_ops.store if store else canonical_ops.load
         exp = s.expanders[direction]
@@ -448,7 +454,7 @@ class Bench:
         if not self.cuda:
             fns["canonical"] = lambda: op(s.kv, s.pages, s.plan, s.block_ids, s.page_ids)
             fns["vllm_expand"] = lambda: exp.expand(s.block_np, s.page_np)
-            if self.cpu_shim is not None:
+            if self.cpu_shim is not None and not host_sweep:
                 # vLLM-style on CPU: the expansion, then our copy loop over its descriptors.
                 copy_live = self.cpu_shim.copier(s.geo, exp.views(s.descriptors), store=store)
 
@@ -706,8 +712,8 @@ class Bench:
         if self.cuda:
             fns.update(self.limits(s))
         for direction in ("store", "load"):
-            methods = self.methods(s, direction)
-            for name in ("pytorch", "per_fragment", "vllm_host", "pre_expanded"):
+            methods = self.methods(s, direction, host_sweep=True)
+            for name in ("pytorch", "per_fragment"):
                 methods.pop(name, None)
             for name, fn in methods.items():
                 if direction == "load" and name.startswith("vllm_expand"):
