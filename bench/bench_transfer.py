@@ -209,15 +209,15 @@ def make_config(quick: bool, cuda: bool) -> Config:
 # ----------------------------------------------------------------------------- workspace
 
 
+_PAGE = 4096
+
+
 def _page_aligned(nbytes: int, **kwargs) -> torch.Tensor:
     """A uint8 tensor starting on a 4 KiB boundary, as a real page store does (a shared
     memory region or a pinned cudaHostAlloc buffer). torch's CPU allocator returns addresses
     64 bytes past a page boundary, which would make every 4 KiB fragment straddle two pages."""
     raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, **kwargs)
     return raw[(-raw.data_ptr()) % _PAGE :][:nbytes]
-
-
-_PAGE = 4096
 
 
 class Workspace:
@@ -643,16 +643,7 @@ class Bench:
                 fns[f"{name}_{direction}"] = fn
         few = {k: min(3, cfg.repeats) for k in fns if k.startswith(("per_fragment", "pytorch"))}
         errors: dict[str, str] = {}
-        with self._stream_ctx():
-            t = measure(
-                fns,
-                repeats=cfg.repeats,
-                warmup=cfg.warmup,
-                stream=self.stream,
-                label=case.name,
-                repeats_of=few,
-                errors=errors,
-            )
+        t = self._measure(fns, case.name, repeats_of=few, errors=errors)
         for direction in ("store", "load"):
             if self.cuda:
                 limit = t[f"limit_{direction}"]
@@ -699,7 +690,6 @@ class Bench:
         return entry
 
     def host_point(self, case: Case, blocks: int, layers: int) -> dict:
-        cfg = self.cfg
         s = build_setup(self.ws, case, blocks, layers)
         point = dict(
             case=case.name,
@@ -723,15 +713,7 @@ class Bench:
         if "vllm_expand" not in self.unavailable:
             fns["vllm_expand_loop_store"] = lambda: exp.expand_per_layer(s.block_np, s.page_np)
         errors: dict[str, str] = {}
-        with self._stream_ctx():
-            t = measure(
-                fns,
-                repeats=cfg.repeats,
-                warmup=cfg.warmup,
-                stream=self.stream,
-                label=f"{case.name} N={blocks} L={layers}",
-                errors=errors,
-            )
+        t = self._measure(fns, f"{case.name} N={blocks} L={layers}", errors=errors)
         if errors:
             point["errors"] = errors
         point["methods"] = {
@@ -752,14 +734,7 @@ class Bench:
                 for name in ("canonical", "uva_kernel"):
                     if name in methods:
                         fns[f"{name}_{direction}"] = methods[name]
-            with self._stream_ctx():
-                t = measure(
-                    fns,
-                    repeats=cfg.repeats,
-                    warmup=cfg.warmup,
-                    stream=self.stream,
-                    label=f"{case.name} SMs={budget}",
-                )
+            t = self._measure(fns, f"{case.name} SMs={budget}")
         finally:
             canonical_ops.set_sm_budget(previous)
             self.args.sm_budget = saved
@@ -768,8 +743,18 @@ class Bench:
             point[key] = dict(time_s=v.time_s, gbps=s.bytes / v.time_s / 1e9)
         return point
 
-    def _stream_ctx(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+    def _measure(self, fns: dict[str, Callable[[], object]], label: str, **kwargs):
+        """measure() with this run's repeats and warm-up, on the side stream on CUDA."""
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            return measure(
+                fns,
+                repeats=self.cfg.repeats,
+                warmup=self.cfg.warmup,
+                stream=self.stream,
+                label=label,
+                **kwargs,
+            )
 
 
 # ----------------------------------------------------------------------------- driver
