@@ -40,7 +40,12 @@ def _extensions():
 
     use_cuda, why = _want_cuda()
     include = [os.path.join(ROOT, "kernels", "include")]
-    sources = ["kernels/registration.cpp", "kernels/cpu/canonical_cpu.cpp"]
+    sources = [
+        "kernels/registration.cpp",
+        "kernels/validation.cpp",
+        "kernels/plan_registry.cpp",
+        "kernels/cpu/canonical_cpu.cpp",
+    ]
     # torch picks the C++ standard its headers need. -fno-wrapv undoes the -fwrapv that
     # Python's CFLAGS add: with it, GCC compiles the CPU copy loop ~20% slower.
     cxx = ["-O3", "-fno-wrapv"]

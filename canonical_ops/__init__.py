@@ -1,17 +1,71 @@
-"""canonical-kv ops: move KV-cache pages to and from canonical CPU pages with fused kernels.
+"""canonical-kv: move KV-cache pages to and from canonical CPU pages with fused kernels.
 
-``torch.ops.canonical.canonical_store`` / ``canonical_load`` copy every fragment
-of every layer of a batch of blocks in ONE kernel launch (CPU: one parallel
-loop), driven by a plan tensor built once by :func:`make_plan` from the
-``layouts`` mappings.
+The package has three parts:
+
+* the **ops core** (this package): ``torch.ops.canonical.canonical_store`` /
+  ``canonical_load`` from the compiled extension, typed wrappers :func:`store` /
+  :func:`load`, fake kernels, and :func:`make_plan`, which turns the ``layouts``
+  mappings into the plan tensor built once at init;
+* :mod:`canonical_ops.frontend`: for engines without vLLM, the shared /dev/shm
+  region, the per-rank offload worker, the scheduler-side page manager and the demo;
+* :mod:`canonical_ops.vllm`: the vLLM 0.33 plugin (uses vLLM's own region and
+  scheduler; only the ops core from here).
+
+Imports are lazy: ``import canonical_ops`` (or ``canonical_ops.frontend``) does not load
+the compiled extension; the first use of an op-related name does.
 """
 
-from ._extension import BUILT_WITH_CUDA
-from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
-from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
-from .plan import default_area_offsets, make_plan
-from .shared_region import RegionSpaceError, SharedOffloadRegion, region_path
-from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._extension import BUILT_WITH_CUDA
+    from .checks import check_ids, check_int
+    from .frontend.page_manager import (
+        PageCapacityError,
+        PageInfo,
+        PageManager,
+        PageState,
+        PageStateError,
+    )
+    from .frontend.shared_region import RegionSpaceError, SharedOffloadRegion, region_path
+    from .frontend.worker import (
+        OffloadWorker,
+        TransferJob,
+        canonical_row_bytes,
+        group_layer_mappings,
+    )
+    from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
+    from .plan import default_area_offsets, make_plan
+
+# Public name -> the module defining it (relative to this package).
+_EXPORTS = {
+    "BUILT_WITH_CUDA": "._extension",
+    "check_ids": ".checks",
+    "check_int": ".checks",
+    "CanonicalTransferError": ".ops",
+    "check_device_errors": ".ops",
+    "load": ".ops",
+    "set_sm_budget": ".ops",
+    "store": ".ops",
+    "default_area_offsets": ".plan",
+    "make_plan": ".plan",
+    "PageCapacityError": ".frontend.page_manager",
+    "PageInfo": ".frontend.page_manager",
+    "PageManager": ".frontend.page_manager",
+    "PageState": ".frontend.page_manager",
+    "PageStateError": ".frontend.page_manager",
+    "RegionSpaceError": ".frontend.shared_region",
+    "SharedOffloadRegion": ".frontend.shared_region",
+    "region_path": ".frontend.shared_region",
+    "OffloadWorker": ".frontend.worker",
+    "TransferJob": ".frontend.worker",
+    "canonical_row_bytes": ".frontend.worker",
+    "group_layer_mappings": ".frontend.worker",
+}
 
 __all__ = [
     "BUILT_WITH_CUDA",
@@ -27,6 +81,8 @@ __all__ = [
     "TransferJob",
     "canonical_row_bytes",
     "check_device_errors",
+    "check_ids",
+    "check_int",
     "default_area_offsets",
     "group_layer_mappings",
     "load",
@@ -35,3 +91,6 @@ __all__ = [
     "set_sm_budget",
     "store",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

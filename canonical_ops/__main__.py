@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if argv else 2
     if argv[0] == "demo":
-        from .demo import main as demo_main
+        from .frontend.demo import main as demo_main
 
         return demo_main(argv[1:])
     print(f"unknown command {argv[0]!r}; try `python -m canonical_ops --help`", file=sys.stderr)

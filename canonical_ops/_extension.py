@@ -1,32 +1,21 @@
-"""Loads the compiled extension (canonical_ops._C) into torch.ops.canonical."""
+"""Loads the compiled extension ``canonical_ops._C``, which registers ``torch.ops.canonical``.
+
+A real module import (the extension defines ``PyInit__C``), as pytorch/extension-cpp does:
+Python's import system picks the one build whose ABI tag matches this interpreter, so a
+``_C`` built for another Python version next to it can never be loaded by mistake.
+"""
 
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    from . import _C  # noqa: F401  (static initialisers register torch.ops.canonical.*)
+except ImportError as error:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "canonical_ops._C is not built for this Python: run `make install` (or "
+        "`pip install --no-build-isolation -e .`) from the repository root"
+    ) from error
 
-
-def _library_path() -> str:
-    candidates = sorted(
-        glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd"))
-    )
-    if not candidates:
-        raise ImportError(
-            "canonical_ops._C is not built: run `make install` (or "
-            "`pip install --no-build-isolation -e .`) from the repository root"
-        )
-    return candidates[0]
-
-
-def load() -> None:
-    """Registers torch.ops.canonical.* once per process."""
-    if not hasattr(torch.ops.canonical, "_built_with_cuda"):
-        torch.ops.load_library(_library_path())
-
-
-load()
 BUILT_WITH_CUDA: bool = bool(torch.ops.canonical._built_with_cuda())
+"""Whether the extension has its CUDA kernels (nvcc and a CUDA torch were present at build)."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import _extension  # noqa: F401  (registers torch.ops.canonical)
+from .checks import check_ids, check_int
 
 __all__ = ["CanonicalTransferError", "check_device_errors", "load", "set_sm_budget", "store"]
 
@@ -19,10 +20,13 @@ class CanonicalTransferError(RuntimeError):
 IdsLike = torch.Tensor | Sequence[int] | np.ndarray
 
 
-def _as_ids(ids: IdsLike, device: torch.device) -> torch.Tensor:
-    if isinstance(ids, torch.Tensor):
-        return ids
-    return torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(device)
+def _as_ids(name: str, ids: IdsLike, device: torch.device) -> torch.Tensor:
+    """Integer ids as an int64 tensor (lists and arrays moved to ``device``); floats,
+    bools and strings raise TypeError rather than being rounded."""
+    checked = check_ids(name, ids)
+    if isinstance(checked, torch.Tensor):
+        return checked
+    return torch.from_numpy(np.ascontiguousarray(checked)).to(device)
 
 
 def store(
@@ -46,7 +50,11 @@ def store(
     """
     device = plan.device
     torch.ops.canonical.canonical_store(
-        list(kv_caches), cpu_pages, plan, _as_ids(block_ids, device), _as_ids(page_ids, device)
+        list(kv_caches),
+        cpu_pages,
+        plan,
+        _as_ids("block_ids", block_ids, device),
+        _as_ids("page_ids", page_ids, device),
     )
 
 
@@ -64,7 +72,11 @@ def load(
     """
     device = plan.device
     torch.ops.canonical.canonical_load(
-        list(kv_caches), cpu_pages, plan, _as_ids(block_ids, device), _as_ids(page_ids, device)
+        list(kv_caches),
+        cpu_pages,
+        plan,
+        _as_ids("block_ids", block_ids, device),
+        _as_ids("page_ids", page_ids, device),
     )
 
 
@@ -90,7 +102,7 @@ def set_sm_budget(sms: int) -> int:
 
     Default 8 (or the CANONICAL_KV_SM_BUDGET environment variable).
     """
-    return int(torch.ops.canonical._set_sm_budget(sms))
+    return int(torch.ops.canonical._set_sm_budget(check_int("sms", sms, minimum=1, maximum=4096)))
 
 
 def _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:

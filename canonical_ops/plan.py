@@ -14,6 +14,7 @@ import torch
 from layouts import CanonicalPageMapping
 
 from . import _extension  # noqa: F401  (registers torch.ops.canonical)
+from .checks import check_int
 
 PLAN_MAGIC = 0x31564B4E4F4E4143  # "CANONKV1", as in plan.h
 PLAN_VERSION = 1
@@ -74,16 +75,17 @@ def build_plan_words(
             f"mappings: expected one CanonicalPageMapping per layer ({len(kv_caches)}), "
             f"got {len(mappings)}"
         )
-    if not isinstance(pages_per_row, int) or pages_per_row < 1:
-        raise ValueError(f"pages_per_row: expected a positive int, got {pages_per_row!r}")
+    pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
     if not isinstance(cpu_pages, torch.Tensor) or cpu_pages.dtype != torch.uint8:
         raise TypeError("cpu_pages: expected a uint8 tensor")
     if cpu_pages.dim() != 2 or (cpu_pages.size(1) > 1 and cpu_pages.stride(1) != 1):
         raise ValueError("cpu_pages: expected a 2-D (rows, row_bytes) tensor with contiguous rows")
-    if max_fragment_bytes is not None and (max_fragment_bytes < 16 or max_fragment_bytes % 16):
-        raise ValueError(
-            f"max_fragment_bytes: expected a multiple of 16, got {max_fragment_bytes!r}"
-        )
+    if max_fragment_bytes is not None:
+        max_fragment_bytes = check_int("max_fragment_bytes", max_fragment_bytes, minimum=16)
+        if max_fragment_bytes % 16:
+            raise ValueError(
+                f"max_fragment_bytes: expected a multiple of 16, got {max_fragment_bytes}"
+            )
     device = kv_caches[0].device
     if max_fragment_bytes is None and device.type == "cuda":
         max_fragment_bytes = CUDA_MAX_FRAGMENT_BYTES
@@ -102,13 +104,15 @@ def build_plan_words(
             f"area_offsets: expected {len(mappings)} offsets (one per layer), "
             f"got {len(area_offsets)}"
         )
+    area_offsets = [
+        check_int(f"area_offsets[{layer}]", offset, minimum=0)
+        for layer, offset in enumerate(area_offsets)
+    ]
     areas = sorted(
-        (int(offset), int(offset) + pages_per_row * m.canonical_page_size_bytes, layer)
+        (offset, offset + pages_per_row * m.canonical_page_size_bytes, layer)
         for layer, (offset, m) in enumerate(zip(area_offsets, mappings))
     )
     for (begin, end, layer), nxt in zip(areas, [*areas[1:], None]):
-        if begin < 0:
-            raise ValueError(f"area_offsets[{layer}]: expected >= 0, got {begin}")
         if nxt is not None and end > nxt[0] and end > begin and nxt[1] > nxt[0]:
             raise ValueError(
                 f"area_offsets[{layer}]: its area [{begin}, {end}) overlaps layer {nxt[2]}'s "

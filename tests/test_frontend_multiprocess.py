@@ -8,29 +8,29 @@ reported it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import uuid
 
 import pytest
 import torch
-from frontend_rank import Model, Topo, kill, rank_entry
+from helpers.frontend_rank import Model, Topo, kill, rank_entry
 
-from canonical_ops import OffloadWorker, PageManager, SharedOffloadRegion, canonical_row_bytes
-from canonical_ops.worker import group_layer_mappings
+from canonical_ops.frontend import (
+    OffloadWorker,
+    PageManager,
+    SharedOffloadRegion,
+    canonical_row_bytes,
+)
+from canonical_ops.frontend.worker import group_layer_mappings
 from layouts import RankContext
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ctx_mp():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["torch", "numpy", "canonical_ops", "layout_truth", "ops_helpers", "frontend_rank"]
-    )
-    return ctx
+@pytest.fixture
+def ctx_mp(forkserver):
+    return forkserver
 
 
 def group_mappings(model: Model, topo: Topo):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.layout_truth import Topology, canonical_page, local_page, random_truth
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from layout_truth import Topology, canonical_page, local_page, random_truth
 
 from layouts import (
     LayerSpec,

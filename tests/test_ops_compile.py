@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from ops_helpers import (
+from helpers.ops import (
     Case,
     LayerConfig,
     build_setup,
@@ -17,12 +17,7 @@ from ops_helpers import (
 
 import canonical_ops
 
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def step(kv_src, kv_dst, pages, plan_src, plan_dst, src_blocks, dst_blocks, page_ids):

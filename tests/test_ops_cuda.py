@@ -1,8 +1,9 @@
 """canonical_ops on CUDA: reference suite with pinned and cudaHostRegister'ed pages, CUDA
 graphs, one kernel per call, device-side id checks, CUDA-specific validation.
 
-Every test but ``test_cuda_kernels_registered`` needs a GPU and is skipped with a reason
-without one; that one runs everywhere the extension was built with CUDA kernels.
+Every test but ``test_cuda_kernels_registered`` is marked ``cuda`` (tests/conftest.py skips it,
+with the reason, without a GPU); that one runs everywhere the extension was built with CUDA
+kernels.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from layout_truth import Topology
-from ops_helpers import (
+from helpers.layout_truth import Topology
+from helpers.ops import (
     Case,
     LayerConfig,
     Pages,
@@ -29,17 +30,6 @@ from ops_helpers import (
 )
 
 import canonical_ops
-
-HAS_GPU = torch.cuda.is_available()
-
-
-def cuda_test(fn):
-    """Marks a test ``cuda`` and skips it, with a reason, without a usable GPU build."""
-    fn = pytest.mark.skipif(
-        HAS_GPU and not canonical_ops.BUILT_WITH_CUDA, reason="extension built without CUDA"
-    )(fn)
-    fn = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU available")(fn)
-    return pytest.mark.cuda(fn)
 
 
 @pytest.mark.skipif(not canonical_ops.BUILT_WITH_CUDA, reason="extension built without CUDA")
@@ -58,19 +48,19 @@ def _sync_and_check(plan: torch.Tensor) -> None:
     canonical_ops.check_device_errors(plan)
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"seed{c.seed}")
 def test_families_match_reference_pinned(case):
     check_store_and_load(build_setup(case, device="cuda", pin=True))
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("seed", range(60))
 def test_random_cases_match_reference_pinned(seed):
     check_store_and_load(build_setup(random_case(seed), device="cuda", pin=True))
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("sms", [1, 132])
 def test_large_call_matches_reference_under_sm_budget(sms):
     """A multi-MiB call, with one SM's worth of blocks (grid-stride loops) and with many."""
@@ -96,7 +86,7 @@ def test_large_call_matches_reference_under_sm_budget(sms):
         canonical_ops.set_sm_budget(previous)
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0, 1, 2, 7, 13])
 def test_host_registered_pages_match_reference(seed):
     """cpu_pages in ordinary CPU memory, page-locked with cudaHostRegister."""
@@ -122,13 +112,13 @@ def test_host_registered_pages_match_reference(seed):
         assert int(cudart.cudaHostUnregister(region.data_ptr())) == 0
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("seed", [3, 8])
 def test_pinned_cpu_ids_accepted(seed):
     check_store_and_load(build_setup(random_case(seed), device="cuda", pin=True), ids_device="cpu")
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize(("tp_a", "tp_b"), [(2, 4), (8, 1)])
 @pytest.mark.parametrize(("packing", "order"), [("packed", "NHD"), ("split", "HND")])
 def test_cross_topology_on_gpu(tp_a, tp_b, packing, order):
@@ -137,7 +127,7 @@ def test_cross_topology_on_gpu(tp_a, tp_b, packing, order):
     )
 
 
-@cuda_test
+@pytest.mark.cuda
 def test_cross_topology_mla_on_gpu():
     run_cross_topology(
         "mla",
@@ -170,7 +160,7 @@ GRAPH_CASE = Case(
 )
 
 
-@cuda_test
+@pytest.mark.cuda
 def test_cuda_graph_capture_and_replay_of_store_then_load():
     src = build_setup(GRAPH_CASE, device="cuda", pin=True)
     dst = build_setup(dataclasses.replace(GRAPH_CASE, seed=32), device="cuda", pin=True)
@@ -241,7 +231,7 @@ def _canonical_kernels(fn) -> list[str]:
     ]
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("op", ["store", "load"])
 def test_one_kernel_launch_per_call(op):
     """Three layers, many pairs, many fragments: still exactly one kernel."""
@@ -293,7 +283,7 @@ def _all_bytes(setup) -> list[np.ndarray]:
     return [setup.pages.host_bytes()] + [c.host_bytes() for c in setup.kv]
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("op", ["store", "load"])
 @pytest.mark.parametrize(
     ("blocks", "pages"),
@@ -321,7 +311,7 @@ def test_out_of_range_device_ids_touch_nothing_and_are_reported(op, blocks, page
     check_store_and_load(setup)
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("op", ["store", "load"])
 def test_out_of_range_device_id_among_valid_pairs(op):
     """The refused pair touches nothing; the others are copied or (at most) nothing is."""
@@ -361,7 +351,7 @@ def _expect_rejected(setup, fn, args, exc, name):
         assert np.array_equal(a, b)
 
 
-@cuda_test
+@pytest.mark.cuda
 @pytest.mark.parametrize("op", ["store", "load"])
 def test_cuda_validation(op):
     setup = _device_id_setup()

@@ -1,6 +1,6 @@
 """canonical_store / canonical_load (CPU) against an independent numpy reference, bit-exact.
 
-The reference (tests/ops_helpers.py) is built only from ``mapping.fragments()``,
+The reference (tests/helpers/ops.py) is built only from ``mapping.fragments()``,
 ``is_writer`` and the page-address rule of the API contract. Cross-topology
 tests check the ops end to end against ``layout_truth`` (first principles).
 """
@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from layout_truth import Topology
-from ops_helpers import (
+from helpers.layout_truth import Topology
+from helpers.ops import (
     FAMILIES,
     Case,
     LayerConfig,
@@ -154,15 +154,6 @@ def test_large_call_with_unaligned_kv_blocks_matches_reference():
     check_store_and_load(setup)
 
 
-@pytest.fixture
-def two_torch_threads():
-    """torch's intra-op thread count set to 2 for the test, then restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_copies_on_its_own_threads_without_hanging(two_torch_threads):
     """libgomp cannot run a parallel region in a child forked after its parent ran one (torch's
@@ -232,14 +223,10 @@ def _threads_used_with_two() -> int:
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs at least 2 CPU cores")
-def test_forkserver_children_keep_every_thread():
-    """Children of a forkserver that preloaded canonical_ops are forked children: the CPU
+def test_forkserver_children_keep_every_thread(forkserver):
+    """Children of a forkserver that preloaded the ops core are forked children: the CPU
     kernel must still use every thread there."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "canonical_ops"])
-    with ctx.Pool(1) as pool:
+    with forkserver.Pool(1) as pool:
         assert pool.apply_async(_threads_used_with_two).get(timeout=120) == 2
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from ops_helpers import KVCache, PageLayout, ids_tensor, make_kv_cache, make_pages, typed_view
+from helpers.ops import KVCache, PageLayout, ids_tensor, make_kv_cache, make_pages, typed_view
 
 import canonical_ops
 from layouts import LayerSpec, derive_group_mappings
@@ -28,7 +28,7 @@ class Env:
     specs: list[LayerSpec]
     mappings: list
     kv: list[KVCache]
-    pages: object  # ops_helpers.Pages
+    pages: object  # helpers.ops.Pages
     layout: PageLayout
     plan: torch.Tensor
     rng: np.random.Generator

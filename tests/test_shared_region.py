@@ -2,8 +2,8 @@
 
 Multi-rank tests use real processes (multiprocessing "forkserver" with torch
 preloaded, so each rank starts in milliseconds) and the real /dev/shm.
-The module is loaded from its file so these tests do not depend on the compiled
-canonical_ops extension.
+``canonical_ops.frontend.shared_region`` is pure Python: importing it never loads the
+compiled extension (a test below checks that).
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.util
-import multiprocessing
+import importlib
 import os
 import struct
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,19 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-_MODULE_FILE = Path(__file__).resolve().parents[1] / "canonical_ops" / "shared_region.py"
-_MODULE_NAME = "canonical_kv_shared_region_under_test"
+_MODULE_NAME = "canonical_ops.frontend.shared_region"
 
 
 def _load_module() -> Any:
-    if _MODULE_NAME in sys.modules:
-        return sys.modules[_MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(_MODULE_NAME, _MODULE_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE_NAME] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(_MODULE_NAME)
 
 
 sr = _load_module()
@@ -118,11 +108,9 @@ class Rank:
             self.kill()
 
 
-@pytest.fixture(scope="module")
-def ctx() -> Any:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "numpy"])
-    return context
+@pytest.fixture
+def ctx(forkserver) -> Any:
+    return forkserver
 
 
 @pytest.fixture
@@ -543,7 +531,6 @@ def test_pin_true_without_cuda_is_an_error(engine: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pinned_region(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from cuda.bindings import runtime as cudart
 

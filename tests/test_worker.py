@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canonical_ops import OffloadWorker, canonical_row_bytes
-from canonical_ops.worker import group_layer_mappings
+from canonical_ops.frontend import OffloadWorker, canonical_row_bytes
+from canonical_ops.frontend.worker import group_layer_mappings
 from layouts import LayerSpec, RankContext
 
 

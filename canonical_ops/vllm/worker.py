@@ -49,7 +49,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 import layouts
-from canonical_ops import BUILT_WITH_CUDA
+from canonical_ops._extension import BUILT_WITH_CUDA
 from canonical_ops.ops import check_device_errors
 from canonical_ops.plan import make_plan
 

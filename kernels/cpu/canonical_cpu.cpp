@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "canonical/cpu_copy.h"
-#include "canonical/host.h"
 #include "canonical/plan.h"
+#include "canonical/validation.h"
 
 namespace canonical {
 namespace {
@@ -106,8 +106,8 @@ class Cursor {
   // its bases. Only called for items inside the call, so ids stay in range.
   void seek() {
     record_ = view_.fragment(fragment_);
-    if (record_[3] != layer_) {
-      layer_ = record_[3];
+    if (record_[kFragmentLayer] != layer_) {
+      layer_ = record_[kFragmentLayer];
       bases_ = layer_bases(view_, layer_, blocks_[pair_], pages_[pair_]);
     }
   }
@@ -165,12 +165,13 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
         cursor.seek();
         const int64_t* frag = cursor.fragment_record();
         const LayerBases& bases = cursor.bases();
-        uint8_t* kv = layer_base[frag[3]] + bases.local_base + frag[0];
-        uint8_t* canonical = pages + bases.canonical_base + frag[1];
+        uint8_t* kv = layer_base[frag[kFragmentLayer]] + bases.local_base + frag[kLocalOffset];
+        uint8_t* canonical = pages + bases.canonical_base + frag[kCanonicalOffset];
+        const int64_t size = frag[kFragmentBytes];
         if (store) {
-          out[i] = {canonical, kv, bases.is_writer ? frag[2] : 0};
+          out[i] = {canonical, kv, bases.is_writer ? size : 0};
         } else {
-          out[i] = {kv, canonical, frag[2]};
+          out[i] = {kv, canonical, size};
         }
         cursor.advance(num_fragments);
       }

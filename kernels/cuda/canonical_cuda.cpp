@@ -11,9 +11,10 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include "canonical/host.h"
 #include "canonical/launch.h"
 #include "canonical/plan.h"
+#include "canonical/plan_registry.h"
+#include "canonical/validation.h"
 
 namespace canonical {
 namespace {

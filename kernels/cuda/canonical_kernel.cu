@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t fragment = w - pair * args.num_fragments;
     const int64_t block_id = args.block_ids[pair];
     const int64_t page_id = args.page_ids[pair];
-    const int64_t layer = plan.fragment(fragment)[3];
+    const int64_t layer = plan.fragment(fragment)[kFragmentLayer];
     if (!ids_in_range(plan, layer, block_id, page_id, args.num_rows)) {
       // Skip the item, touch nothing; the host raises at the next check.
       if (lane == 0) {

@@ -1,5 +1,6 @@
 // Plan record and expansion index math, shared by the CPU kernel (g++) and the
-// CUDA kernel (nvcc). Header-only, no torch types: the .cu file includes only this.
+// CUDA kernel (nvcc). Header-only, no torch or c10 headers (host/device through the
+// project's own macros.h): the .cu file includes only this.
 //
 // A plan is ONE int64 tensor built once at init by canonical_ops.make_plan from
 // the layers' CanonicalPageMappings. It lives on the KV device; the kernels
@@ -42,8 +43,9 @@
 // consecutive items walk one block's local page in address order.
 #pragma once
 
-#include <c10/macros/Macros.h>
 #include <stdint.h>
+
+#include "canonical/macros.h"
 
 namespace canonical {
 
@@ -77,6 +79,13 @@ enum LayerField : int64_t {
   kFirstFragment = 7,
 };
 
+enum FragmentField : int64_t {
+  kLocalOffset = 0,      // in the layer's local page (block)
+  kCanonicalOffset = 1,  // in the layer's canonical page
+  kFragmentBytes = 2,    // size
+  kFragmentLayer = 3,    // the layer it belongs to
+};
+
 // Device-side error codes, OR-ed into the error word when a kernel refuses a
 // work item (the item is skipped: no byte is read or written for it).
 enum ErrorCode : int64_t {
@@ -85,7 +94,7 @@ enum ErrorCode : int64_t {
 };
 
 // Total words of a plan with the given table sizes.
-C10_HOST_DEVICE inline int64_t plan_words(int64_t num_layers, int64_t num_fragments) {
+CANONICAL_HOST_DEVICE inline int64_t plan_words(int64_t num_layers, int64_t num_fragments) {
   return kHeaderWords + num_layers * kLayerWords + num_fragments * kFragmentWords;
 }
 
@@ -93,13 +102,13 @@ C10_HOST_DEVICE inline int64_t plan_words(int64_t num_layers, int64_t num_fragme
 struct PlanView {
   const int64_t* words;
 
-  C10_HOST_DEVICE int64_t header(int64_t field) const { return words[field]; }
-  C10_HOST_DEVICE int64_t num_layers() const { return words[kNumLayers]; }
-  C10_HOST_DEVICE int64_t num_fragments() const { return words[kNumFragments]; }
-  C10_HOST_DEVICE const int64_t* layer(int64_t l) const {
+  CANONICAL_HOST_DEVICE int64_t header(int64_t field) const { return words[field]; }
+  CANONICAL_HOST_DEVICE int64_t num_layers() const { return words[kNumLayers]; }
+  CANONICAL_HOST_DEVICE int64_t num_fragments() const { return words[kNumFragments]; }
+  CANONICAL_HOST_DEVICE const int64_t* layer(int64_t l) const {
     return words + kHeaderWords + l * kLayerWords;
   }
-  C10_HOST_DEVICE const int64_t* fragment(int64_t f) const {
+  CANONICAL_HOST_DEVICE const int64_t* fragment(int64_t f) const {
     return words + kHeaderWords + num_layers() * kLayerWords + f * kFragmentWords;
   }
 };
@@ -124,8 +133,8 @@ struct LayerBases {
   bool is_writer;          // page_id % num_writers == writer_index
 };
 
-C10_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t layer, int64_t block_id,
-                                              int64_t page_id) {
+CANONICAL_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t layer,
+                                                    int64_t block_id, int64_t page_id) {
   const int64_t* rec = plan.layer(layer);
   const int64_t pages_per_row = plan.header(kPagesPerRow);
   const int64_t row = page_id / pages_per_row;
@@ -140,24 +149,25 @@ C10_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_t laye
 
 // Expands fragment `fragment` of the pair (block_id, page_id). Ids must already
 // be in range (see ids_in_range); the result then lies inside both tensors.
-C10_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragment, int64_t block_id,
-                                       int64_t page_id) {
+CANONICAL_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragment,
+                                             int64_t block_id, int64_t page_id) {
   const int64_t* frag = plan.fragment(fragment);
-  const int64_t layer = frag[3];
+  const int64_t layer = frag[kFragmentLayer];
   const LayerBases bases = layer_bases(plan, layer, block_id, page_id);
   Expanded out;
   out.layer = layer;
-  out.local_byte = bases.local_base + frag[0];
-  out.canonical_byte = bases.canonical_base + frag[1];
-  out.size = frag[2];
+  out.local_byte = bases.local_base + frag[kLocalOffset];
+  out.canonical_byte = bases.canonical_base + frag[kCanonicalOffset];
+  out.size = frag[kFragmentBytes];
   out.is_writer = bases.is_writer;
   return out;
 }
 
 // Whether a pair may be expanded for `layer`: the block exists in that layer's
 // kv tensor and the page's row exists in cpu_pages.
-C10_HOST_DEVICE inline bool ids_in_range(const PlanView& plan, int64_t layer, int64_t block_id,
-                                         int64_t page_id, int64_t num_rows) {
+CANONICAL_HOST_DEVICE inline bool ids_in_range(const PlanView& plan, int64_t layer,
+                                               int64_t block_id, int64_t page_id,
+                                               int64_t num_rows) {
   const int64_t num_blocks = plan.layer(layer)[kNumBlocks];
   return block_id >= 0 && block_id < num_blocks && page_id >= 0 &&
          page_id < num_rows * plan.header(kPagesPerRow);

@@ -1,8 +1,8 @@
 """Body of one rank process in the multi-process frontend tests.
 
 Each process attaches the shared region, builds its own caches (raw bytes with
-the typed cache view over them, tests/ops_helpers.py), and either fills its
-blocks from the first-principles truth (tests/layout_truth.py) and stores
+the typed cache view over them, tests/helpers/ops.py), and either fills its
+blocks from the first-principles truth (tests/helpers/layout_truth.py) and stores
 them with an OffloadWorker, or loads pages and compares every byte of its
 local pages with that truth. Nothing here uses the mappings to build
 expectations.
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from layout_truth import Topology as Topo
+
+from helpers.layout_truth import Topology as Topo
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Model:
         ]
 
     def truth(self, layer: int, page: int, spec) -> np.ndarray:
-        from layout_truth import random_truth
+        from helpers.layout_truth import random_truth
 
         rng = np.random.default_rng([self.seed, layer, page])
         head_bytes = self.layers[layer][0] * spec.element_size
@@ -68,10 +69,9 @@ class Model:
 def run_rank(task: dict) -> dict:
     """task: role, model, topo, rank, region args, page_ids, salt, [kill_before_store]."""
     try:
-        from layout_truth import local_page
-        from ops_helpers import make_kv_cache
-
         from canonical_ops import OffloadWorker, SharedOffloadRegion
+        from helpers.layout_truth import local_page
+        from helpers.ops import make_kv_cache
         from layouts import RankContext
 
         torch.set_num_threads(1)

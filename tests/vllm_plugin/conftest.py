@@ -1,8 +1,7 @@
-"""tests/vllm: canonical_ops.vllm against real vLLM 0.33 (`make test-vllm`).
+"""Fixtures of tests/vllm_plugin: canonical_ops.vllm against real vLLM 0.33 (`make test-vllm`).
 
-Where vLLM is not installed (the main venv, `make test`) every module here is
-reported skipped, whether pytest runs `tests/` or `tests/vllm` itself, and none
-of them is imported. Everything runs on CPU: KV tensors in host memory, vLLM's
+Where vLLM is not installed (the main venv, `make test`) tests/conftest.py reports every
+module here skipped without importing it. Everything runs on CPU: KV tensors in host memory, vLLM's
 SharedOffloadRegion in /dev/shm, VllmConfig from tiny local config.json files
 (nothing is downloaded).
 """
@@ -12,37 +11,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import sys
 
 import pytest
-
-SKIP_REASON = "vLLM is not installed: `make test-vllm` runs tests/vllm in its own venv"
-
-
-def _have_vllm() -> bool:
-    """Whether real vLLM imports (not this folder, which Python would take for a namespace
-    package named ``vllm`` once ``tests/`` is on sys.path)."""
-    try:
-        import vllm.v1.kv_offload.base  # noqa: F401
-    except ImportError:
-        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-            if getattr(sys.modules[name], "__file__", None) is None:
-                del sys.modules[name]
-        return False
-    return True
-
-
-HAVE_VLLM = _have_vllm()
-
-if not HAVE_VLLM:
-
-    class _NeedsVllm(pytest.Module):
-        def collect(self):
-            pytest.skip(SKIP_REASON)
-
-    def pytest_pycollect_makemodule(module_path, parent):
-        return _NeedsVllm.from_parent(parent, path=module_path)
-
 
 ENGINE_PREFIX = "ckv-"
 
@@ -59,7 +29,7 @@ def _clean_shared_regions():
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """ModelConfigs of tiny local Llama configs: 8 KV heads (TP 1/2/4) and 2 (replicated GQA)."""
-    from vllm_harness import model_config, write_tiny_llama
+    from helpers.vllm_harness import model_config, write_tiny_llama
 
     root = tmp_path_factory.mktemp("models")
     return {
@@ -71,7 +41,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_configs(models):
     """Cached VllmConfig per (model, tp, pp); tests set parallel_config.rank per rank."""
-    from vllm_harness import make_vllm_config
+    from helpers.vllm_harness import make_vllm_config
 
     cache = {}
 

@@ -56,6 +56,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from ..checks import check_int
+
 if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module import-light
     from layouts import CanonicalPageMapping
 
@@ -148,14 +150,6 @@ class _PendingStore:
         self.allocated_at = allocated_at
 
 
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
-
-
 class PageManager:
     """Maps block hashes to canonical pages and tracks their readiness, pins and recency.
 
@@ -187,8 +181,8 @@ class PageManager:
         num_ranks: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._num_pages = _check_count("num_pages", num_pages, 1)
-        self._num_ranks = _check_count("num_ranks", num_ranks, 1)
+        self._num_pages = check_int("num_pages", num_pages, minimum=1)
+        self._num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         if writer_ranks is not None and not callable(writer_ranks):
             raise TypeError(
                 f"writer_ranks: expected a callable or None, got {type(writer_ranks).__name__}"
@@ -325,20 +319,13 @@ class PageManager:
     # ----------------------------------------------------------------- validation
 
     def _check_page(self, page_id: object, name: str = "page_id") -> int:
-        if isinstance(page_id, bool) or not isinstance(page_id, int):
-            raise PageStateError(f"{name}: expected an int page id, got {page_id!r}")
-        if not 0 <= page_id < self._num_pages:
-            raise PageStateError(
-                f"{name}: unknown page id {page_id}, expected an int in [0, {self._num_pages})"
-            )
-        return page_id
+        # TypeError for a non-int, PageStateError (a ValueError) for an unknown page.
+        return check_int(
+            name, page_id, minimum=0, maximum=self._num_pages - 1, error=PageStateError
+        )
 
     def _check_rank(self, rank: object) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise PageStateError(f"rank: expected an int, got {rank!r}")
-        if not 0 <= rank < self._num_ranks:
-            raise PageStateError(f"rank: expected an int in [0, {self._num_ranks}), got {rank}")
-        return rank
+        return check_int("rank", rank, minimum=0, maximum=self._num_ranks - 1, error=PageStateError)
 
     @staticmethod
     def _hashes(block_hashes: Iterable[Hashable]) -> list[Hashable]:

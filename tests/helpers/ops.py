@@ -506,7 +506,7 @@ def run_cross_topology(
     page must equal ``canonical_page``, after the loads every reader block must equal
     ``local_page``, and nothing else may change.
     """
-    from layout_truth import canonical_page, local_page, random_truth
+    from helpers.layout_truth import canonical_page, local_page, random_truth
 
     rng = np.random.default_rng(seed)
     pages_per_row, num_rows, num_blocks = 2, 3, 9

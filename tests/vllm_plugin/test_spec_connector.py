@@ -13,17 +13,7 @@ import uuid
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
-    TransferJob,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-from vllm_harness import (
+from helpers.vllm_harness import (
     Job,
     Layer,
     Model,
@@ -35,6 +25,16 @@ from vllm_harness import (
     region_bytes,
     vllm_canonical_kv_caches,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    TransferJob,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from canonical_ops.vllm import CanonicalOffloadingSpec, CanonicalOffloadingWorker
 

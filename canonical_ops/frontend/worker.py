@@ -32,8 +32,9 @@ from layouts import (
     opaque_fallback_mapping,
 )
 
-from .ops import check_device_errors
-from .plan import default_area_offsets, make_plan
+from ..checks import check_ids, check_int
+from ..ops import check_device_errors
+from ..plan import default_area_offsets, make_plan
 
 __all__ = ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
 
@@ -159,7 +160,7 @@ class OffloadWorker:
         self.ctx = ctx
         self.region = cpu_pages if not isinstance(cpu_pages, torch.Tensor) else None
         self.cpu_pages = cpu_pages if isinstance(cpu_pages, torch.Tensor) else cpu_pages.tensor
-        self.pages_per_row = pages_per_row
+        self.pages_per_row = pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
         block_bytes = [kv.stride(0) * kv.element_size() for kv in self.kv_caches]
         self.group_mappings = group_layer_mappings(
             specs, ctx, fallback_page_sizes=block_bytes, layer_names=layer_names
@@ -200,22 +201,18 @@ class OffloadWorker:
             self.kv_caches, self.cpu_pages, self.plan, block_ids, page_ids
         )
 
-    def _ids(self, ids) -> torch.Tensor:
-        if isinstance(ids, torch.Tensor) and ids.device == self.device and ids.dtype == torch.int64:
-            return ids
-        host = torch.as_tensor(
-            np.asarray(ids, dtype=np.int64)
-            if not isinstance(ids, torch.Tensor)
-            else ids.to(torch.int64)
-        )
+    def _ids(self, name: str, ids) -> torch.Tensor:
+        checked = check_ids(name, ids)  # integers only: never rounds 1.9 to 1
+        if isinstance(checked, torch.Tensor) and checked.device == self.device:
+            return checked
+        host = checked.cpu() if isinstance(checked, torch.Tensor) else torch.from_numpy(checked)
         if self.device.type == "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _submit(self, kind: str, block_ids, page_ids) -> TransferJob:
-        pages_np = np.asarray(
-            page_ids.cpu() if isinstance(page_ids, torch.Tensor) else page_ids, dtype=np.int64
-        )
+        block_ids, page_ids = check_ids("block_ids", block_ids), check_ids("page_ids", page_ids)
+        pages_np = page_ids.cpu().numpy() if isinstance(page_ids, torch.Tensor) else page_ids
         if kind == "store":
             counts = np.bincount(pages_np % self._rotation, minlength=self._rotation)
             num_bytes = int(sum(c * b for c, b in zip(counts, self._store_bytes)))
@@ -226,16 +223,16 @@ class OffloadWorker:
         if self._stream is None:
             try:
                 if kind == "store":
-                    launch(self._ids(block_ids), self._ids(page_ids))
+                    launch(self._ids("block_ids", block_ids), self._ids("page_ids", page_ids))
                 else:
-                    launch(self._ids(page_ids), self._ids(block_ids))
+                    launch(self._ids("page_ids", page_ids), self._ids("block_ids", block_ids))
             finally:
                 job.finished_at = time.perf_counter()
             return job
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # KV written by queued compute is complete
         with torch.cuda.stream(self._stream):
-            blocks, pages = self._ids(block_ids), self._ids(page_ids)
+            blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
             if kind == "store":
                 launch(blocks, pages)
             else:

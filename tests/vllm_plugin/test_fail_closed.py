@@ -11,10 +11,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from vllm_harness import (
+from helpers.vllm_harness import (
     Layer,
     Model,
     make_jobs,
@@ -23,6 +20,9 @@ from vllm_harness import (
     row_bytes_for,
     vllm_canonical_kv_caches,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
 from canonical_ops.vllm import CanonicalOffloadingWorker
 

@@ -158,7 +158,7 @@ def rank_main(
 ) -> None:
     """One writer or reader process."""
     try:
-        from canonical_ops import OffloadWorker, SharedOffloadRegion
+        from canonical_ops.frontend import OffloadWorker, SharedOffloadRegion
 
         torch.set_num_threads(1)
         cfg = DemoConfig(**cfg_dict)
@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per process group")
     args = parser.parse_args(argv)
 
-    from canonical_ops import PageManager, SharedOffloadRegion
-    from canonical_ops.worker import canonical_row_bytes, group_layer_mappings
+    from canonical_ops.frontend import PageManager, SharedOffloadRegion
+    from canonical_ops.frontend.worker import canonical_row_bytes, group_layer_mappings
 
     attention, layers, heads, head_size, dtype, block_size = PRESETS[args.preset]
     device = args.device

@@ -78,6 +78,8 @@ from types import TracebackType
 import numpy as np
 import torch
 
+from ..checks import check_int
+
 __all__ = ["RegionSpaceError", "SharedOffloadRegion", "region_path"]
 
 HEADER_BYTES = 4096
@@ -185,12 +187,6 @@ def _same_file(path: str, st: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
 
 
 # Fields of ``_HEADER``, in packing order.
@@ -334,20 +330,14 @@ class SharedOffloadRegion:
         self.engine_id = engine_id
         self.path = region_path(engine_id, shm_dir)
         self.shm_dir = shm_dir
-        self.num_rows = _positive_int("num_rows", num_rows)
-        self.row_bytes = _positive_int("row_bytes", row_bytes)
-        self.world_size = _positive_int("world_size", world_size)
-        if self.world_size > MAX_WORLD_SIZE:
-            raise ValueError(f"world_size: at most {MAX_WORLD_SIZE} supported, got {world_size}")
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-            raise ValueError(f"rank: expected an int, got {rank!r}")
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
-        self.rank = int(rank)
+        self.num_rows = check_int("num_rows", num_rows, minimum=1)
+        self.row_bytes = check_int("row_bytes", row_bytes, minimum=1)
+        self.world_size = check_int("world_size", world_size, minimum=1, maximum=MAX_WORLD_SIZE)
+        self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
         if not attach_timeout_s >= 0:
             raise ValueError(f"attach_timeout_s: expected >= 0, got {attach_timeout_s!r}")
-        if free_bytes is not None and (isinstance(free_bytes, bool) or free_bytes < 0):
-            raise ValueError(f"free_bytes: expected None or >= 0, got {free_bytes!r}")
+        if free_bytes is not None:
+            free_bytes = check_int("free_bytes", free_bytes, minimum=0)
         if pin is None:
             pin = torch.cuda.is_available()
         elif pin and not torch.cuda.is_available():
@@ -414,10 +404,10 @@ class SharedOffloadRegion:
             not fit in ``row_bytes``.
         """
         base = self.tensor
-        pages_per_row = _positive_int("pages_per_row", pages_per_row)
+        pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
         if isinstance(page_sizes, (str, bytes)) or not len(page_sizes):
             raise ValueError("page_sizes: expected a non-empty sequence of positive ints")
-        sizes = [_positive_int(f"page_sizes[{i}]", s) for i, s in enumerate(page_sizes)]
+        sizes = [check_int(f"page_sizes[{i}]", s, minimum=1) for i, s in enumerate(page_sizes)]
         if area_offsets is None:
             offsets, position = [], 0
             for size in sizes:
@@ -431,11 +421,7 @@ class SharedOffloadRegion:
                 )
             offsets = []
             for layer, offset in enumerate(area_offsets):
-                if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
-                    raise ValueError(f"area_offsets[{layer}]: expected an int, got {offset!r}")
-                if offset < 0:
-                    raise ValueError(f"area_offsets[{layer}]: expected >= 0, got {offset}")
-                offsets.append(int(offset))
+                offsets.append(check_int(f"area_offsets[{layer}]", offset, minimum=0))
         areas = sorted(
             (offset, offset + pages_per_row * size, layer)
             for layer, (offset, size) in enumerate(zip(offsets, sizes))

@@ -3,7 +3,7 @@
 For configurations derived by vLLM's own ``derive_canonical_mappings`` (via vLLM's
 connector worker ``register_kv_caches``), every rank of the group stores the same
 jobs through our worker into one shared vLLM ``SharedOffloadRegion`` and, through
-vLLM's descriptors (vllm_harness.VllmDescriptorReference), into a second one. The two
+vLLM's descriptors (helpers.vllm_harness.VllmDescriptorReference), into a second one. The two
 regions must be identical byte for byte; loads must then restore each rank's
 pages bit-exact (into other GPU blocks), for both.
 """
@@ -14,11 +14,7 @@ import uuid
 
 import pytest
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
-    _opaque_fallback_mapping,
-)
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from vllm_harness import (
+from helpers.vllm_harness import (
     BLOCK_SIZE,
     FULL_LAYOUTS,
     PAGE_ALIGN,
@@ -34,6 +30,10 @@ from vllm_harness import (
     row_bytes_for,
     vllm_canonical_kv_caches,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+    _opaque_fallback_mapping,
+)
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
 from canonical_ops.vllm import CanonicalOffloadingWorker
 

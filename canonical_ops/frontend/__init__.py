@@ -1,0 +1,58 @@
+"""The standalone offload frontend, for engines without vLLM.
+
+* :class:`SharedOffloadRegion` (``shared_region``): one /dev/shm region of canonical rows
+  per engine, shared by every rank of a node (pure Python + torch; no extension needed).
+* :class:`OffloadWorker` (``worker``): one per rank; derives and verifies the layers'
+  canonical mappings, builds the plan once, runs one op call per store or load.
+* :class:`PageManager` (``page_manager``): scheduler side; block hash -> canonical page,
+  readiness once every elected writer reported, LRU eviction, pins (pure Python).
+* ``demo``: ``python -m canonical_ops demo``.
+
+vLLM users do not need any of this: the vLLM plugin (:mod:`canonical_ops.vllm`) uses
+vLLM's own region, scheduler and tiers, and only the ops core. Imports are lazy: the
+compiled extension is loaded only when ``OffloadWorker`` is first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
+    from .shared_region import RegionSpaceError, SharedOffloadRegion, region_path
+    from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
+
+_EXPORTS = {
+    "PageCapacityError": ".page_manager",
+    "PageInfo": ".page_manager",
+    "PageManager": ".page_manager",
+    "PageState": ".page_manager",
+    "PageStateError": ".page_manager",
+    "RegionSpaceError": ".shared_region",
+    "SharedOffloadRegion": ".shared_region",
+    "region_path": ".shared_region",
+    "OffloadWorker": ".worker",
+    "TransferJob": ".worker",
+    "canonical_row_bytes": ".worker",
+    "group_layer_mappings": ".worker",
+}
+
+__all__ = [
+    "OffloadWorker",
+    "PageCapacityError",
+    "PageInfo",
+    "PageManager",
+    "PageState",
+    "PageStateError",
+    "RegionSpaceError",
+    "SharedOffloadRegion",
+    "TransferJob",
+    "canonical_row_bytes",
+    "group_layer_mappings",
+    "region_path",
+]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

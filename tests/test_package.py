@@ -1,0 +1,70 @@
+"""The package's shape: pure-Python parts import without the compiled extension, the
+extension is a real module import, and the public names re-exported from canonical_ops
+are the frontend's and the ops core's own objects."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LIGHT_IMPORTS = (
+    "layouts",
+    "canonical_ops",
+    "canonical_ops.checks",
+    "canonical_ops.frontend",
+    "canonical_ops.frontend.page_manager",
+    "canonical_ops.frontend.shared_region",
+    "canonical_ops.vllm",
+)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("module", LIGHT_IMPORTS)
+def test_pure_python_parts_import_without_the_extension(module):
+    code = (
+        f"import sys, {module}\n"
+        "loaded = [m for m in sys.modules if m == 'canonical_ops._C']\n"
+        "assert not loaded, f'importing {module!r} loaded the extension'\n"
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_first_op_use_loads_the_extension_as_a_module():
+    result = _python(
+        "import sys, canonical_ops\n"
+        "canonical_ops.make_plan\n"
+        "ext = sys.modules['canonical_ops._C']\n"
+        "assert ext.__file__.endswith(tuple(__import__('importlib.machinery').machinery"
+        ".EXTENSION_SUFFIXES)), ext.__file__\n"
+        "import torch; assert torch.ops.canonical.canonical_store is not None\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_reexports_are_the_defining_modules_objects():
+    import canonical_ops
+    import canonical_ops.frontend as frontend
+    from canonical_ops import ops, plan
+    from canonical_ops.frontend import page_manager, shared_region, worker
+
+    for name in canonical_ops.__all__:
+        value = getattr(canonical_ops, name)
+        homes = [m for m in (ops, plan, page_manager, shared_region, worker) if hasattr(m, name)]
+        if homes:
+            assert value is getattr(homes[0], name), name
+    for name in frontend.__all__:
+        assert getattr(frontend, name) is getattr(canonical_ops, name), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        canonical_ops.nope  # noqa: B018
