@@ -9,7 +9,7 @@ VLLM_WHEEL_DIR := .cache/vllm-wheel
 export CUDA_HOME ?= $(wildcard /usr/local/cuda)
 export MAX_JOBS ?= 2
 
-.PHONY: install test demo bench lint vllm-wheel clean test-vllm
+.PHONY: install test demo bench lint vllm-wheel redis-server clean test-vllm
 
 $(VENV)/.requirements: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,21 @@ vllm-wheel:
 	  $(VPIP) download -q --no-deps vllm==0.33.0 -d $(VLLM_WHEEL_DIR) || \
 	  echo "vllm==0.33.0 wheel not downloadable: the differential test will be skipped"
 
+# The Redis tier's tests start real redis-server processes (a single server and a 3-node
+# cluster) on loopback ports. On a fresh Debian machine running as root this installs
+# Debian's redis-server package (7.0 on bookworm); elsewhere it says what to install.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server (apt-get) for the Redis tier's tests"; \
+	    apt-get update -q >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server >/dev/null; \
+	  else \
+	    echo "redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server)"; exit 1; \
+	  fi; }
+
 # Every test; tests/vllm_plugin is reported skipped here (no vLLM in this venv: `make test-vllm`).
-test: install vllm-wheel
+test: install vllm-wheel redis-server
 	$(VPY) -m pytest
 
 # TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present).
