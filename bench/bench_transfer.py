@@ -35,7 +35,7 @@ Before timing, each method's bytes are checked against canonical_ops on small ca
 
 Outputs in --out: bench_<device>.json, bench_<device>.md (tables, goals) and, with matplotlib,
 gbps_vs_fragment_<device>.png, host_time_vs_blocks_<device>.png, host_time_vs_layers_<device>.png
-(re-render from the JSON anywhere with ``python bench/plot.py OUT/bench_<device>.json``).
+(re-render from the JSON anywhere with ``python bench/report.py OUT/bench_<device>.json``).
 
 Usage:
   python bench/bench_transfer.py --quick --out DIR        # < 2 min on a 2-core CPU machine
@@ -68,13 +68,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import _baselines as bl
-import plot as report
+import report
+from _results import (
+    DIRECTIONS,
+    MethodKey,
+    results_to_json,
+    verification_from_json,
+    verification_to_json,
+)
 
 import canonical_ops
 from layouts import LayerSpec, derive_group_mappings
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
 CUDA_PLAN_MAX_FRAGMENT = 2048  # canonical_ops' default CUDA work-item size
+# The CPU limit: the best of these contiguous copies of the same byte count (no direction:
+# one copy of n bytes is the limit of a store and of a load alike).
+CPU_LIMITS = (MethodKey("limit_torch"), MethodKey("limit_numpy"), MethodKey("limit_numpythreads"))
 
 
 # ----------------------------------------------------------------------------- NVTX
@@ -344,41 +354,59 @@ class Timing:
 
 
 def measure(
-    fns: dict[str, Callable[[], object]],
+    fns: dict[MethodKey, Callable[[], object]],
     *,
     repeats: int,
     warmup: int,
     stream: torch.cuda.Stream | None,
     label: str,
-    repeats_of: dict[str, int] | None = None,
-    errors: dict[str, str] | None = None,
-) -> dict[str, Timing]:
-    """Round-robin best-of-N timing of ``fns`` (each call in its own NVTX range).
+    repeats_of: dict[MethodKey, int] | None = None,
+    errors: dict[MethodKey, str] | None = None,
+) -> dict[MethodKey, Timing]:
+    """Round-robin best-of-N timing of ``fns``, each call in its own NVTX range.
 
-    A function that raises during warm-up is dropped (its error goes to ``errors``).
+    Parameters
+    ----------
+    fns
+        Zero-argument calls to time, by method and direction.
+    repeats, warmup
+        Timed rounds and untimed rounds before them (at least one).
+    stream
+        CUDA: the stream the calls run on (timed with events on it); CPU: None.
+    label
+        The case, in NVTX ranges (``"<method>_<direction> | <label>"``) and messages.
+    repeats_of
+        Fewer rounds for some keys (slow baselines).
+    errors
+        Receives the error of a call that raised during warm-up; that call is dropped.
+
+    Returns
+    -------
+    dict
+        A :class:`Timing` per key that was not dropped.
     """
     cuda = stream is not None
     fns = dict(fns)
     for _ in range(max(1, warmup)):
-        for name, fn in list(fns.items()):
+        for key, fn in list(fns.items()):
             try:
-                with nvtx_range(f"warmup {name} | {label}"):
+                with nvtx_range(f"warmup {key.label} | {label}"):
                     fn()
                 if cuda:
                     stream.synchronize()
             except Exception as exc:
-                del fns[name]
+                del fns[key]
                 if errors is not None:
-                    errors[name] = f"error: {type(exc).__name__}: {exc}"[:300]
-                print(f"[bench] {name} ({label}) dropped: {exc}", flush=True)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+                    errors[key] = f"error: {type(exc).__name__}: {exc}"[:300]
+                print(f"[bench] {key.label} ({label}) dropped: {exc}", flush=True)
+    samples: dict[MethodKey, list[tuple[float, float]]] = {key: [] for key in fns}
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(repeats):
-        for name, fn in fns.items():
-            if repeats_of and rep >= repeats_of.get(name, repeats):
+        for key, fn in fns.items():
+            if repeats_of and rep >= repeats_of.get(key, repeats):
                 continue
-            with nvtx_range(f"{name} | {label}"):
+            with nvtx_range(f"{key.label} | {label}"):
                 if cuda:
                     start.record(stream)
                 t0 = time.perf_counter()
@@ -391,15 +419,15 @@ def measure(
                 elapsed = start.elapsed_time(end) / 1e3
             else:
                 elapsed = t1 - t0
-            samples[name].append((elapsed, t1 - t0))
+            samples[key].append((elapsed, t1 - t0))
     return {
-        name: Timing(
+        key: Timing(
             time_s=min(s[0] for s in values),
             host_s=min(s[1] for s in values),
             host_median_s=statistics.median(s[1] for s in values),
             samples=len(values),
         )
-        for name, values in samples.items()
+        for key, values in samples.items()
     }
 
 
@@ -515,7 +543,9 @@ class Bench:
         fns["pytorch"] = lambda: move(blocks_dev, s.page_ids_cpu)
         return {k: v for k, v in fns.items() if k not in self.unavailable}
 
-    def limits(self, s: Setup) -> dict[str, Callable[[], object]]:
+    def limits(self, s: Setup) -> dict[MethodKey, Callable[[], object]]:
+        """One contiguous copy of ``s``'s byte count: CPU, the :data:`CPU_LIMITS` candidates
+        (each serves both directions); CUDA, one pinned copy per direction."""
         n = s.bytes
         dev, host = self.ws.kv[:n], self.ws.limit[:n]
         if not self.cuda:
@@ -527,14 +557,15 @@ class Bench:
             if self.copy_pool is None:
                 self.copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="limit")
             pool = self.copy_pool
+            torch_copy, numpy_copy, numpy_threads = CPU_LIMITS
             return {
-                "limit_torch": lambda: host.copy_(dev),
-                "limit_numpy": lambda: np.copyto(host_np, dev_np),
-                "limit_numpythreads": lambda: list(pool.map(lambda p: np.copyto(*p), parts)),
+                torch_copy: lambda: host.copy_(dev),
+                numpy_copy: lambda: np.copyto(host_np, dev_np),
+                numpy_threads: lambda: list(pool.map(lambda p: np.copyto(*p), parts)),
             }
         return {
-            "limit_store": lambda: host.copy_(dev, non_blocking=True),
-            "limit_load": lambda: dev.copy_(host, non_blocking=True),
+            MethodKey("limit", "store"): lambda: host.copy_(dev, non_blocking=True),
+            MethodKey("limit", "load"): lambda: dev.copy_(host, non_blocking=True),
         }
 
     def check_uva(self) -> None:
@@ -557,13 +588,13 @@ class Bench:
 
     # -- verification -----------------------------------------------------------------------
 
-    def verify(self, cases: list[Case]) -> dict[str, dict[str, str]]:
+    def verify(self, cases: list[Case]) -> dict[str, dict[MethodKey, str]]:
         """Each method's bytes vs canonical_ops on small cases (stores, then loads)."""
-        out: dict[str, dict[str, str]] = {}
+        out: dict[str, dict[MethodKey, str]] = {}
         for case in cases:
             s = build_setup(self.ws, case, self.cfg.verify_blocks, self.cfg.verify_layers, 7)
             out[case.name] = self._verify_setup(s)
-            bad = {k: v for k, v in out[case.name].items() if v != "ok"}
+            bad = {str(k): v for k, v in out[case.name].items() if v != "ok"}
             print(f"[verify] {case.name}: {bad or 'all ok'}", flush=True)
         return out
 
@@ -576,10 +607,10 @@ class Bench:
         else:
             fn()
 
-    def _verify_setup(self, s: Setup) -> dict[str, str]:
-        result: dict[str, str] = {}
+    def _verify_setup(self, s: Setup) -> dict[MethodKey, str]:
+        result: dict[MethodKey, str] = {}
         gen = torch.Generator().manual_seed(1)
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             store = direction == "store"
             target = [s.pages] if store else s.kv
             source = s.kv if store else [s.pages]
@@ -609,9 +640,9 @@ class Bench:
             self._run(fns.pop("canonical"))
             reference = snapshot()
             if not any(bool(t.any()) for t in reference):
-                result[f"canonical {direction}"] = "moved nothing"
+                result[MethodKey("canonical", direction)] = "moved nothing"
             for name, fn in fns.items():
-                key = f"{name} {direction}"
+                key = MethodKey(name, direction)
                 clear()
                 try:
                     self._run(fn)
@@ -637,26 +668,23 @@ class Bench:
             bytes=s.bytes,
             descriptors=s.descriptors,
         )
-        fns: dict[str, Callable[[], object]] = dict(self.limits(s))
-        for direction in ("store", "load"):
+        fns: dict[MethodKey, Callable[[], object]] = dict(self.limits(s))
+        for direction in DIRECTIONS:
             for name, fn in self.methods(s, direction).items():
-                fns[f"{name}_{direction}"] = fn
-        few = {k: min(3, cfg.repeats) for k in fns if k.startswith(("per_fragment", "pytorch"))}
-        errors: dict[str, str] = {}
+                fns[MethodKey(name, direction)] = fn
+        # The slow baselines: a few rounds tell their speed well enough.
+        few = {k: min(3, cfg.repeats) for k in fns if k.method in ("per_fragment", "pytorch")}
+        errors: dict[MethodKey, str] = {}
         t = self._measure(fns, case.name, repeats_of=few, errors=errors)
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             if self.cuda:
-                limit = t[f"limit_{direction}"]
+                limit = t[MethodKey("limit", direction)]
             else:
-                limit = min(
-                    (t[k] for k in ("limit_torch", "limit_numpy", "limit_numpythreads")),
-                    key=lambda x: x.time_s,
-                )
+                limit = min((t[k] for k in CPU_LIMITS), key=lambda x: x.time_s)
             methods = {"limit": self._entry(limit, s.bytes, limit, "limit")}
             for key, timing in t.items():
-                name, _, d = key.rpartition("_")
-                if d == direction and not key.startswith("limit"):
-                    methods[name] = self._entry(timing, s.bytes, limit, name)
+                if key.direction == direction and key.method != "limit":
+                    methods[key.method] = self._entry(timing, s.bytes, limit, key.method)
             if (
                 self.cuda
                 and "per_fragment" not in methods
@@ -668,9 +696,8 @@ class Bench:
             for name, why in self.unavailable.items():
                 methods.setdefault(name, {"skipped": why})
             for key, why in errors.items():
-                name, _, d = key.rpartition("_")
-                if d == direction:
-                    methods[name] = {"skipped": why}
+                if key.direction == direction:
+                    methods[key.method] = {"skipped": why}
             row[direction] = methods
         return row
 
@@ -698,21 +725,23 @@ class Bench:
             bytes=s.bytes,
             descriptors=s.descriptors,
         )
-        fns: dict[str, Callable[[], object]] = {}
+        fns: dict[MethodKey, Callable[[], object]] = {}
         if self.cuda:
             fns.update(self.limits(s))
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             methods = self.methods(s, direction, host_sweep=True)
             for name in ("pytorch", "per_fragment"):
                 methods.pop(name, None)
             for name, fn in methods.items():
                 if direction == "load" and name.startswith("vllm_expand"):
                     continue  # same work as the store's expansion
-                fns[f"{name}_{direction}"] = fn
+                fns[MethodKey(name, direction)] = fn
         exp = s.expanders["store"]
         if "vllm_expand" not in self.unavailable:
-            fns["vllm_expand_loop_store"] = lambda: exp.expand_per_layer(s.block_np, s.page_np)
-        errors: dict[str, str] = {}
+            fns[MethodKey("vllm_expand_loop", "store")] = lambda: exp.expand_per_layer(
+                s.block_np, s.page_np
+            )
+        errors: dict[MethodKey, str] = {}
         t = self._measure(fns, f"{case.name} N={blocks} L={layers}", errors=errors)
         if errors:
             point["errors"] = errors
@@ -729,21 +758,25 @@ class Bench:
         saved, self.args.sm_budget = self.args.sm_budget, budget
         try:
             fns = dict(self.limits(s))
-            for direction in ("store", "load"):
+            for direction in DIRECTIONS:
                 methods = self.methods(s, direction)
                 for name in ("canonical", "uva_kernel"):
                     if name in methods:
-                        fns[f"{name}_{direction}"] = methods[name]
+                        fns[MethodKey(name, direction)] = methods[name]
             t = self._measure(fns, f"{case.name} SMs={budget}")
         finally:
             canonical_ops.set_sm_budget(previous)
             self.args.sm_budget = saved
-        point = dict(case=case.name, sm_budget=budget, bytes=s.bytes)
-        for key, v in t.items():
-            point[key] = dict(time_s=v.time_s, gbps=s.bytes / v.time_s / 1e9)
-        return point
+        return dict(
+            case=case.name,
+            sm_budget=budget,
+            bytes=s.bytes,
+            methods={
+                key: dict(time_s=v.time_s, gbps=s.bytes / v.time_s / 1e9) for key, v in t.items()
+            },
+        )
 
-    def _measure(self, fns: dict[str, Callable[[], object]], label: str, **kwargs):
+    def _measure(self, fns: dict[MethodKey, Callable[[], object]], label: str, **kwargs):
         """measure() with this run's repeats and warm-up, on the side stream on CUDA."""
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
@@ -890,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
         results["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
         results["meta"]["loadavg_end"] = _loadavg()
         results["goals"] = report.evaluate_goals(results)
-        json_path.write_text(json.dumps(results, indent=1, default=_json_default))
+        json_path.write_text(json.dumps(results_to_json(results), indent=1, default=_json_default))
         report.write_markdown(results, out / f"bench_{device.type}.md")
 
     bench = Bench(args, cfg, device)
@@ -916,7 +949,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in RISKY_CUDA:
                 if name not in keep:
                     bench.unavailable.setdefault(name, "not in this preflight")
-        print(PREFLIGHT_TAG + json.dumps(bench.verify(verify_cases)), flush=True)
+        verification = verification_to_json(bench.verify(verify_cases))
+        print(PREFLIGHT_TAG + json.dumps(verification), flush=True)
         return 0
     if not args.no_verify:
         with nvtx_range("verify"):
@@ -1014,7 +1048,7 @@ def _preflight(args: argparse.Namespace, methods: str | None, timeout_s: float):
     found = None
     for line in proc.stdout.splitlines():
         if line.startswith(PREFLIGHT_TAG):
-            found = json.loads(line[len(PREFLIGHT_TAG) :])
+            found = verification_from_json(json.loads(line[len(PREFLIGHT_TAG) :]))
         else:
             print(f"  [preflight] {line}", flush=True)
     if found is None:
@@ -1053,8 +1087,7 @@ def cuda_preflight(args: argparse.Namespace, bench: Bench) -> dict:
 def disable_failed(bench: Bench, verification: dict) -> None:
     """Methods that moved wrong bytes (or raised) on any verified case are not measured."""
     for case, checks in verification.items():
-        for key, status in checks.items():
-            name, _, direction = key.rpartition(" ")
+        for (name, direction), status in checks.items():
             if status != "ok" and name != "canonical" and name not in bench.unavailable:
                 bench.unavailable[name] = f"failed verification ({case}, {direction}): {status}"
                 print(f"[bench] {name} disabled: {bench.unavailable[name]}", flush=True)
