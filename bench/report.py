@@ -22,101 +22,8 @@ from pathlib import Path
 
 from _results import DIRECTIONS, MethodKey, results_from_json
 
-METHOD_LABELS = {
-    "limit": "contiguous limit",
-    "canonical": "canonical (ours)",
-    "pytorch": "plain PyTorch",
-    "vllm_batch": "vLLM-style cuMemcpyBatchAsync",
-    "uva_kernel": "UVA descriptor kernel",
-    "per_fragment": "cudaMemcpyAsync per fragment",
-    "vllm_host": "vLLM-style expansion + copy loop",
-    "pre_expanded": "pre-expanded descriptors, same copy loop",
-}
-CPU_METHODS = ("canonical", "pre_expanded", "vllm_host", "pytorch")
-CUDA_METHODS = ("canonical", "vllm_batch", "uva_kernel", "per_fragment", "pytorch")
-
-
-# ----------------------------------------------------------------------------- formatting
-
-
-def fmt_time(seconds: float | None) -> str:
-    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
-        return "-"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
-def fmt_bytes(n: int) -> str:
-    if n >= 1024 and n % 1024 == 0:
-        return f"{n // 1024} KiB"
-    return f"{n} B"
-
-
-def _gbps_cell(entry: dict | None, with_ratio: bool = True) -> str:
-    if not entry:
-        return "-"
-    if "skipped" in entry:
-        return "skipped"
-    if "gbps" not in entry:
-        return "-"
-    cell = f"{entry['gbps']:.2f}"
-    if with_ratio and "ratio" in entry:
-        cell += f" ({entry['ratio']:.2f}×)"
-    return cell
-
-
-def _rows(results: dict) -> list[dict]:
-    return [r for r in results.get("fragment_sweep", []) if "alias_of" not in r]
-
-
-def _dest(row: dict) -> str:
-    if row["kind"] == "sparse":
-        return f"sparse (1/{row['tp']} of page)"
-    if row["kind"] == "dense-ref":
-        return "dense (reference)"
-    return "dense"
-
-
-# ----------------------------------------------------------------------------- console lines
-
-
-def fragment_line(row: dict) -> str:
-    parts = [f"{row['case']:<30} {fmt_bytes(row['fragment_bytes']):>8}"]
-    parts.append(f"{row['bytes'] / 2**20:6.0f} MiB")
-    for direction in ("store", "load"):
-        methods = row[direction]
-        parts.append(f"{direction}: limit {methods['limit']['gbps']:.2f} GB/s")
-        for name in dict.fromkeys(("canonical", *CPU_METHODS[1:], *CUDA_METHODS[1:])):
-            if name in methods and "gbps" in methods[name]:
-                parts.append(f"{name} {methods[name]['gbps']:.2f} ({methods[name]['ratio']:.2f}×)")
-        if "vllm_expand" in methods:
-            parts.append(f"expand {fmt_time(methods['vllm_expand']['host_s'])}")
-    return " | ".join(parts)
-
-
-HOST_LINE_KEYS = (
-    MethodKey("canonical", "store"),
-    MethodKey("canonical", "load"),
-    MethodKey("vllm_expand", "store"),
-    MethodKey("vllm_expand_loop", "store"),
-    MethodKey("vllm_batch", "store"),
-    MethodKey("uva_kernel", "store"),
-)
-
-
-def host_line(point: dict) -> str:
-    times = point["methods"]
-    parts = [f"N={point['blocks']:<6} L={point['layers']:<3} desc={point['descriptors']:<8}"]
-    for key in HOST_LINE_KEYS:
-        if key in times:
-            parts.append(f"{key.label} host {fmt_time(times[key]['host_s'])}")
-    return " | ".join(parts)
-
-
 # ----------------------------------------------------------------------------- goals
+# What results are judged against: the GOALS table (evaluated by evaluate_goals, below).
 
 
 @dataclass(frozen=True)
@@ -297,6 +204,103 @@ GOALS: tuple[Goal, ...] = (
         per_direction=True,
     ),
 )
+
+
+METHOD_LABELS = {
+    "limit": "contiguous limit",
+    "canonical": "canonical (ours)",
+    "pytorch": "plain PyTorch",
+    "vllm_batch": "vLLM-style cuMemcpyBatchAsync",
+    "uva_kernel": "UVA descriptor kernel",
+    "per_fragment": "cudaMemcpyAsync per fragment",
+    "vllm_host": "vLLM-style expansion + copy loop",
+    "pre_expanded": "pre-expanded descriptors, same copy loop",
+}
+CPU_METHODS = ("canonical", "pre_expanded", "vllm_host", "pytorch")
+CUDA_METHODS = ("canonical", "vllm_batch", "uva_kernel", "per_fragment", "pytorch")
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024} KiB"
+    return f"{n} B"
+
+
+def _gbps_cell(entry: dict | None, with_ratio: bool = True) -> str:
+    if not entry:
+        return "-"
+    if "skipped" in entry:
+        return "skipped"
+    if "gbps" not in entry:
+        return "-"
+    cell = f"{entry['gbps']:.2f}"
+    if with_ratio and "ratio" in entry:
+        cell += f" ({entry['ratio']:.2f}×)"
+    return cell
+
+
+def _rows(results: dict) -> list[dict]:
+    return [r for r in results.get("fragment_sweep", []) if "alias_of" not in r]
+
+
+def _dest(row: dict) -> str:
+    if row["kind"] == "sparse":
+        return f"sparse (1/{row['tp']} of page)"
+    if row["kind"] == "dense-ref":
+        return "dense (reference)"
+    return "dense"
+
+
+# ----------------------------------------------------------------------------- console lines
+
+
+def fragment_line(row: dict) -> str:
+    parts = [f"{row['case']:<30} {fmt_bytes(row['fragment_bytes']):>8}"]
+    parts.append(f"{row['bytes'] / 2**20:6.0f} MiB")
+    for direction in ("store", "load"):
+        methods = row[direction]
+        parts.append(f"{direction}: limit {methods['limit']['gbps']:.2f} GB/s")
+        for name in dict.fromkeys(("canonical", *CPU_METHODS[1:], *CUDA_METHODS[1:])):
+            if name in methods and "gbps" in methods[name]:
+                parts.append(f"{name} {methods[name]['gbps']:.2f} ({methods[name]['ratio']:.2f}×)")
+        if "vllm_expand" in methods:
+            parts.append(f"expand {fmt_time(methods['vllm_expand']['host_s'])}")
+    return " | ".join(parts)
+
+
+HOST_LINE_KEYS = (
+    MethodKey("canonical", "store"),
+    MethodKey("canonical", "load"),
+    MethodKey("vllm_expand", "store"),
+    MethodKey("vllm_expand_loop", "store"),
+    MethodKey("vllm_batch", "store"),
+    MethodKey("uva_kernel", "store"),
+)
+
+
+def host_line(point: dict) -> str:
+    times = point["methods"]
+    parts = [f"N={point['blocks']:<6} L={point['layers']:<3} desc={point['descriptors']:<8}"]
+    for key in HOST_LINE_KEYS:
+        if key in times:
+            parts.append(f"{key.label} host {fmt_time(times[key]['host_s'])}")
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- goals: evaluation
 
 
 @dataclass
@@ -628,9 +632,9 @@ def _sorted(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (order.get(r["kind"], 3), r["fragment_bytes"], r["case"]))
 
 
-def _t(point: dict, method: str, direction: str, field: str = "host_s") -> str:
+def _time_cell(point: dict, method: str, direction: str, quantity: str = "host_s") -> str:
     """One time of a sweep point as a table cell ("-" when the method was not measured)."""
-    return fmt_time(point["methods"].get(MethodKey(method, direction), {}).get(field))
+    return fmt_time(point["methods"].get(MethodKey(method, direction), {}).get(quantity))
 
 
 def _cpu_host_table(points: list[dict], var: str) -> list[str]:
@@ -641,11 +645,13 @@ def _cpu_host_table(points: list[dict], var: str) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
-        out.append(
-            f"| {p[var]} | {p['descriptors']} | {p['bytes'] / 2**20:.2f} | "
-            f"{_t(p, 'vllm_expand', 'store')} | {_t(p, 'vllm_expand_loop', 'store')} | "
-            f"{_t(p, 'canonical', 'store', 'time_s')} | {_t(p, 'canonical', 'load', 'time_s')} |"
-        )
+        cells = [
+            _time_cell(p, "vllm_expand", "store"),
+            _time_cell(p, "vllm_expand_loop", "store"),
+            _time_cell(p, "canonical", "store", "time_s"),
+            _time_cell(p, "canonical", "load", "time_s"),
+        ]
+        out.append(_host_row(p, var, cells))
     return out
 
 
@@ -657,17 +663,27 @@ def _cuda_host_table(points: list[dict], var: str) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
-        out.append(
-            f"| {p[var]} | {p['descriptors']} | {p['bytes'] / 2**20:.2f} | "
-            f"{_t(p, 'canonical', 'store')} / {_t(p, 'canonical', 'load')} "
-            f"({_t(p, 'canonical', 'store', 'host_median_s')} / "
-            f"{_t(p, 'canonical', 'load', 'host_median_s')}) | "
-            f"{_t(p, 'canonical', 'store', 'time_s')} / {_t(p, 'canonical', 'load', 'time_s')} | "
-            f"{_t(p, 'vllm_expand', 'store')} | {_t(p, 'vllm_batch', 'store')} | "
-            f"{_t(p, 'vllm_batch', 'store', 'time_s')} | {_t(p, 'uva_kernel', 'store')} | "
-            f"{_t(p, 'limit', 'store', 'time_s')} |"
-        )
+
+        def both(quantity: str, p: dict = p) -> str:
+            return " / ".join(_time_cell(p, "canonical", d, quantity) for d in DIRECTIONS)
+
+        cells = [
+            f"{both('host_s')} ({both('host_median_s')})",
+            both("time_s"),
+            _time_cell(p, "vllm_expand", "store"),
+            _time_cell(p, "vllm_batch", "store"),
+            _time_cell(p, "vllm_batch", "store", "time_s"),
+            _time_cell(p, "uva_kernel", "store"),
+            _time_cell(p, "limit", "store", "time_s"),
+        ]
+        out.append(_host_row(p, var, cells))
     return out
+
+
+def _host_row(point: dict, var: str, cells: list[str]) -> str:
+    """A sweep point's table row: the swept value, descriptors, MiB, then ``cells``."""
+    head = [str(point[var]), str(point["descriptors"]), f"{point['bytes'] / 2**20:.2f}"]
+    return "| " + " | ".join(head + cells) + " |"
 
 
 def _notes(cuda: bool) -> list[str]:
