@@ -830,7 +830,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring), with ``--device auto`` resolved.
+
+    Parameters
+    ----------
+    argv
+        Arguments without the program name; None: ``sys.argv[1:]``.
+
+    Returns
+    -------
+    argparse.Namespace
+        ``device`` is ``"cpu"`` or ``"cuda"``; exits with a message when CUDA is asked for but
+        there is no GPU or canonical_ops has no CUDA kernels.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="small sweep (< 2 min on 2 cores)")
@@ -860,6 +873,75 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: no CUDA GPU available")
     if args.device == "cuda" and not canonical_ops.BUILT_WITH_CUDA:
         raise SystemExit("--device cuda: canonical_ops was built without CUDA kernels")
+    return args
+
+
+@dataclass
+class Run:
+    """One benchmark run: its settings, its cases, the measuring :class:`Bench`, the results.
+
+    The sections (:func:`verify_methods`, :func:`fragment_sweep`, :func:`blocks_sweep`,
+    :func:`layers_sweep`, :func:`sm_budget_sweep`) append to ``results`` and call
+    :meth:`save`; :func:`write_outputs` finishes.
+    """
+
+    args: argparse.Namespace
+    cfg: Config
+    device: torch.device
+    sections: set[str]  # of fragments, blocks, layers, sms
+    out: Path  # --out: the JSON, markdown and plots
+    started: float  # perf_counter at the start (elapsed_s, --time-budget)
+    frag_cases: list[Case]  # fragment sweep
+    sweep_case: Case  # blocks and layers sweeps
+    sm_cases: list[Case]  # SM-budget sweep
+    verify_cases: list[Case]
+    results: dict  # in memory: sweep points and verification keyed by MethodKey
+    bench: Bench | None = None  # made by prepare()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def json_path(self) -> Path:
+        return self.out / f"bench_{self.device.type}.json"
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self) -> bool:
+        """Past --time-budget: the sections skip (and list) the cases they have not started."""
+        return self.args.time_budget is not None and self.elapsed_s() > self.args.time_budget
+
+    def save(self) -> None:
+        """Write the JSON and the markdown as they stand.
+
+        Called after every case, so that a run killed at its time limit keeps what it measured.
+        """
+        meta = self.results["meta"]
+        meta["elapsed_s"] = round(self.elapsed_s(), 1)
+        meta["loadavg_end"] = _loadavg()
+        self.results["goals"] = report.evaluate_goals(self.results)
+        text = json.dumps(results_to_json(self.results), indent=1, default=_json_default)
+        self.json_path.write_text(text)
+        report.write_markdown(self.results, self.json_path.with_suffix(".md"))
+
+
+def new_run(args: argparse.Namespace, argv: list[str] | None = None) -> Run:
+    """The run ``args`` ask for: configuration, cases, output folder, empty results.
+
+    Parameters
+    ----------
+    args
+        From :func:`parse_args`.
+    argv
+        The arguments as given (recorded in the results' ``meta.command``).
+
+    Returns
+    -------
+    Run
+        Without a :class:`Bench` yet (see :func:`prepare`); nothing measured.
+    """
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     cfg = make_config(args.quick, cuda)
@@ -873,34 +955,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    def over_budget() -> bool:
-        return args.time_budget is not None and time.perf_counter() - started > args.time_budget
-
     frag_cases = real_cases() + dense_references(cfg.dense_sizes)
     if args.only:
         frag_cases = [c for c in frag_cases if args.only.lower() in c.name.lower()]
     if args.preflight:
         frag_cases = []
-    sweep_case = case_by_name(args.sweep_case)
-    sm_cases = [case_by_name("split NHD TP8"), case_by_name("packed NHD TP8")]
-    verify_cases = [
-        case_by_name("split NHD TP8"),
-        case_by_name("packed HND TP2"),
-        case_by_name("MLA 576 TP1"),
-        dense_references((256,))[0],
-    ]
-
-    # Size the pools once for everything this run may build.
-    plans = [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in frag_cases]
-    plans += [(c, cfg.verify_blocks, cfg.verify_layers) for c in verify_cases]
-    if "sms" in sections and cuda:
-        plans += [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in sm_cases]
-    if "blocks" in sections:
-        plans += [(sweep_case, n, cfg.sweep_blocks_layers) for n in cfg.sweep_blocks]
-    if "layers" in sections:
-        plans += [(sweep_case, cfg.sweep_layers_blocks, n) for n in cfg.sweep_layers]
-    kv_bytes, pages_bytes, desc_words = (max(v) for v in zip(*(needs(*p) for p in plans)))
-
     results: dict = dict(
         meta=dict(
             machine_info(device),
@@ -917,117 +976,195 @@ def main(argv: list[str] | None = None) -> int:
         sm_sweep=[],
         skipped=[],
     )
-    json_path = out / f"bench_{device.type}.json"
+    return Run(
+        args=args,
+        cfg=cfg,
+        device=device,
+        sections=sections,
+        out=out,
+        started=started,
+        frag_cases=frag_cases,
+        sweep_case=case_by_name(args.sweep_case),
+        sm_cases=[case_by_name("split NHD TP8"), case_by_name("packed NHD TP8")],
+        verify_cases=[
+            case_by_name("split NHD TP8"),
+            case_by_name("packed HND TP2"),
+            case_by_name("MLA 576 TP1"),
+            dense_references((256,))[0],
+        ],
+        results=results,
+    )
 
-    def save() -> None:
-        results["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
-        results["meta"]["loadavg_end"] = _loadavg()
-        results["goals"] = report.evaluate_goals(results)
-        json_path.write_text(json.dumps(results_to_json(results), indent=1, default=_json_default))
-        report.write_markdown(results, out / f"bench_{device.type}.md")
 
-    bench = Bench(args, cfg, device)
-    results["meta"]["unavailable"] = dict(bench.unavailable)
+def pool_sizes(run: Run) -> tuple[int, int, int]:
+    """Bytes of the kv and pages pools and int64 words of the descriptor pool that every
+    case this run may build fits in (the pools are allocated once, before any timing)."""
+    cfg, sections = run.cfg, run.sections
+    plans = [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in run.frag_cases]
+    plans += [(c, cfg.verify_blocks, cfg.verify_layers) for c in run.verify_cases]
+    if "sms" in sections and run.cuda:
+        plans += [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in run.sm_cases]
+    if "blocks" in sections:
+        plans += [(run.sweep_case, n, cfg.sweep_blocks_layers) for n in cfg.sweep_blocks]
+    if "layers" in sections:
+        plans += [(run.sweep_case, cfg.sweep_layers_blocks, n) for n in cfg.sweep_layers]
+    kv_bytes, pages_bytes, desc_words = (max(v) for v in zip(*(needs(*p) for p in plans)))
+    return kv_bytes, pages_bytes, desc_words
+
+
+def prepare(run: Run) -> None:
+    """Make the run's :class:`Bench` (baselines built or marked unavailable) and its pools.
+
+    Records in ``meta`` which methods are unavailable and why, and the shim / ABI in use.
+    """
+    meta = run.results["meta"]
+    bench = run.bench = Bench(run.args, run.cfg, run.device)
+    meta["unavailable"] = dict(bench.unavailable)
     if bench.shim is not None:
-        results["meta"]["shim"] = bench.shim.path
+        meta["shim"] = bench.shim.path
     if bench.batch is not None:
-        results["meta"]["batch_abi"] = bench.batch.abi
+        meta["batch_abi"] = bench.batch.abi
+    kv_bytes, pages_bytes, desc_words = pool_sizes(run)
     print(
-        f"[bench] {device.type} ({'quick' if args.quick else 'full'}): pools kv "
+        f"[bench] {run.device.type} ({'quick' if run.args.quick else 'full'}): pools kv "
         f"{kv_bytes / 2**20:.0f} MiB, pages {pages_bytes / 2**20:.0f} MiB, "
-        f"descriptors {desc_words // 3} -> {out}",
+        f"descriptors {desc_words // 3} -> {run.out}",
         flush=True,
     )
-    bench.ws = Workspace(device, kv_bytes, pages_bytes, desc_words)
-    if cuda:
+    bench.ws = Workspace(run.device, kv_bytes, pages_bytes, desc_words)
+    if run.cuda:
         bench.check_uva()
-        results["meta"]["unavailable"] = dict(bench.unavailable)
+        meta["unavailable"] = dict(bench.unavailable)
 
-    if args.preflight:  # child process: verify, report, exit
-        if args.preflight_methods is not None:
-            keep = set(args.preflight_methods.split(","))
-            for name in RISKY_CUDA:
-                if name not in keep:
-                    bench.unavailable.setdefault(name, "not in this preflight")
-        verification = verification_to_json(bench.verify(verify_cases))
-        print(PREFLIGHT_TAG + json.dumps(verification), flush=True)
-        return 0
-    if not args.no_verify:
-        with nvtx_range("verify"):
-            if cuda:  # in child processes: a faulting baseline must not kill this one
-                results["verification"] = cuda_preflight(args, bench)
-            else:
-                results["verification"] = bench.verify(verify_cases)
-        disable_failed(bench, results["verification"])
-        results["meta"]["unavailable"] = dict(bench.unavailable)
-        save()
 
-    def run_fragments() -> None:
-        seen: dict[tuple, str] = {}
-        for case in frag_cases:
-            if over_budget():
-                results["skipped"].append(f"fragment case {case.name}: time budget")
-                continue
-            m = case.mapping()
-            key = (case.fragments().tobytes(), m.local_page_size_bytes, m.canonical_page_size_bytes)
-            if key in seen:  # identical bytes moved: report, do not re-measure
-                results["fragment_sweep"].append(
-                    dict(
-                        case=case.name,
-                        kind=case.kind,
-                        tp=case.tp,
-                        fragment_bytes=case.fragment_bytes,
-                        alias_of=seen[key],
-                    )
+# ----------------------------------------------------------------------------- sections
+
+
+def verify_methods(run: Run) -> None:
+    """Verification: every method's bytes against canonical_ops on small cases.
+
+    A method that moves wrong bytes (or raises) is not measured afterwards. On CUDA the
+    checks run in child processes (:func:`cuda_preflight`), so that a baseline that faults
+    cannot take this process down with it.
+    """
+    bench = run.bench
+    with nvtx_range("verify"):
+        if run.cuda:
+            run.results["verification"] = cuda_preflight(run.args, bench)
+        else:
+            run.results["verification"] = bench.verify(run.verify_cases)
+    disable_failed(bench, run.results["verification"])
+    run.results["meta"]["unavailable"] = dict(bench.unavailable)
+    run.save()
+
+
+def preflight_child(run: Run) -> int:
+    """The --preflight child of :func:`cuda_preflight`: verify, print the result, exit.
+
+    Returns
+    -------
+    int
+        The exit status (0): the verification goes to stdout after :data:`PREFLIGHT_TAG`.
+    """
+    bench = run.bench
+    if run.args.preflight_methods is not None:
+        keep = set(run.args.preflight_methods.split(","))
+        for name in RISKY_CUDA:
+            if name not in keep:
+                bench.unavailable.setdefault(name, "not in this preflight")
+    verification = verification_to_json(bench.verify(run.verify_cases))
+    print(PREFLIGHT_TAG + json.dumps(verification), flush=True)
+    return 0
+
+
+def fragment_sweep(run: Run) -> None:
+    """Fragment sweep: GB/s of every method on each case of ``run.frag_cases``.
+
+    A case that moves exactly the fragments of a case already measured is recorded as an
+    alias of it instead of being measured again.
+    """
+    results = run.results
+    seen: dict[tuple, str] = {}
+    for case in run.frag_cases:
+        if run.over_budget():
+            results["skipped"].append(f"fragment case {case.name}: time budget")
+            continue
+        m = case.mapping()
+        key = (case.fragments().tobytes(), m.local_page_size_bytes, m.canonical_page_size_bytes)
+        if key in seen:  # identical bytes moved: report, do not re-measure
+            results["fragment_sweep"].append(
+                dict(
+                    case=case.name,
+                    kind=case.kind,
+                    tp=case.tp,
+                    fragment_bytes=case.fragment_bytes,
+                    alias_of=seen[key],
                 )
+            )
+            continue
+        seen[key] = case.name
+        with nvtx_range(f"case {case.name}"):
+            row = run.bench.fragment_case(case)
+        results["fragment_sweep"].append(row)
+        print(report.fragment_line(row), flush=True)
+        run.save()
+
+
+def blocks_sweep(run: Run) -> None:
+    """Blocks sweep: host time per call vs the number of blocks (``run.sweep_case``, a fixed
+    number of layers): is canonical's enqueue flat in N, what does the expansion cost."""
+    _host_time_sweep(run, "blocks")
+
+
+def layers_sweep(run: Run) -> None:
+    """Layers sweep: host time per call vs the number of layers (``run.sweep_case``, a fixed
+    number of blocks)."""
+    _host_time_sweep(run, "layers")
+
+
+def _host_time_sweep(run: Run, section: str) -> None:
+    """The blocks or layers sweep: one :meth:`Bench.host_point` per swept value."""
+    cfg, results = run.cfg, run.results
+    values = cfg.sweep_blocks if section == "blocks" else cfg.sweep_layers
+    for value in values:
+        if run.over_budget():
+            results["skipped"].append(f"{section} sweep {value}: time budget")
+            continue
+        blocks = value if section == "blocks" else cfg.sweep_layers_blocks
+        layers = value if section == "layers" else cfg.sweep_blocks_layers
+        with nvtx_range(f"{section} sweep N={blocks} L={layers}"):
+            point = run.bench.host_point(run.sweep_case, blocks, layers)
+        results[f"{section}_sweep"].append(point)
+        print(report.host_line(point), flush=True)
+        run.save()
+
+
+def sm_budget_sweep(run: Run) -> None:
+    """SM-budget sweep (CUDA): GB/s of canonical and the UVA kernel per SM budget, with the
+    copy-engine limit beside them, on each of ``run.sm_cases``."""
+    results = run.results
+    for case in run.sm_cases:
+        for budget in run.cfg.sm_budgets:
+            if run.over_budget():
+                results["skipped"].append(f"sm sweep {case.name} {budget}: time budget")
                 continue
-            seen[key] = case.name
-            with nvtx_range(f"case {case.name}"):
-                row = bench.fragment_case(case)
-            results["fragment_sweep"].append(row)
-            print(report.fragment_line(row), flush=True)
-            save()
+            results["sm_sweep"].append(run.bench.sm_point(case, budget))
+        run.save()
 
-    def run_sweep(section: str) -> None:
-        values = cfg.sweep_blocks if section == "blocks" else cfg.sweep_layers
-        for value in values:
-            if over_budget():
-                results["skipped"].append(f"{section} sweep {value}: time budget")
-                continue
-            blocks = value if section == "blocks" else cfg.sweep_layers_blocks
-            layers = value if section == "layers" else cfg.sweep_blocks_layers
-            with nvtx_range(f"{section} sweep N={blocks} L={layers}"):
-                point = bench.host_point(sweep_case, blocks, layers)
-            results[f"{section}_sweep"].append(point)
-            print(report.host_line(point), flush=True)
-            save()
 
-    # The (short) blocks sweep first: a time budget then still leaves the enqueue-vs-N figures.
-    if "blocks" in sections:
-        run_sweep("blocks")
-    if "fragments" in sections:
-        run_fragments()
-    if "layers" in sections:
-        run_sweep("layers")
-
-    if "sms" in sections and cuda:
-        for case in sm_cases:
-            for budget in cfg.sm_budgets:
-                if over_budget():
-                    results["skipped"].append(f"sm sweep {case.name} {budget}: time budget")
-                    continue
-                results["sm_sweep"].append(bench.sm_point(case, budget))
-            save()
-
-    save()
-    if not args.no_plots:
-        written = report.write_plots(results, out)
+def write_outputs(run: Run) -> None:
+    """Output: the final JSON and markdown, then (unless --no-plots) the PNG plots."""
+    run.save()
+    if not run.args.no_plots:
+        written = report.write_plots(run.results, run.out)
         print("[bench] plots: " + (", ".join(map(str, written)) if written else "none"))
     print(
-        f"[bench] wrote {json_path} and {json_path.with_suffix('.md')} "
-        f"in {time.perf_counter() - started:.0f} s"
+        f"[bench] wrote {run.json_path} and {run.json_path.with_suffix('.md')} "
+        f"in {run.elapsed_s():.0f} s"
     )
-    return 0
+
+
+# ----------------------------------------------------------------------------- CUDA preflight
 
 
 RISKY_CUDA = ("vllm_batch", "uva_kernel", "per_fragment")
@@ -1101,6 +1238,28 @@ def _json_default(value):
     if isinstance(value, (tuple, set)):
         return list(value)
     return str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, then run the sections it asks for; returns the exit status."""
+    args = parse_args(argv)
+    run = new_run(args, argv)
+    prepare(run)
+    if args.preflight:
+        return preflight_child(run)
+    if not args.no_verify:
+        verify_methods(run)
+    # The (short) blocks sweep first: a time budget then still leaves the enqueue-vs-N figures.
+    if "blocks" in run.sections:
+        blocks_sweep(run)
+    if "fragments" in run.sections:
+        fragment_sweep(run)
+    if "layers" in run.sections:
+        layers_sweep(run)
+    if "sms" in run.sections and run.cuda:
+        sm_budget_sweep(run)
+    write_outputs(run)
+    return 0
 
 
 if __name__ == "__main__":
