@@ -448,6 +448,7 @@ def evaluate_goals(results: dict) -> list[dict]:
                 worst.measured = f"worst {worst.measured}"
                 found = [worst]
             for m in found:
+                # A run without an SM budget (CPU) has none to exceed: it counts as 0.
                 values = dict(m.values, sm_budget=sm_budget or 0)
                 text = goal.text.format(
                     limit={b.value: b for b in goal.threshold},
