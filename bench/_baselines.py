@@ -14,16 +14,17 @@ like.
   strided view of each side, then ``dst[ids] = src[ids]`` (gather + scatter; on CUDA the
   gathered tensor crosses devices with ``.cpu()`` / ``.to(device)``).
 * :class:`CpuShim`: the canonical CPU kernel's fragment copy (kernels/include/canonical/
-  cpu_copy.h, compiled with the host compiler) driven by expanded descriptors: the vLLM-style
-  path on CPU (expansion + this loop) and a pre-expanded run of it (no expansion at all: what
-  the access pattern allows with our copy).
+  cpu_copy.h) driven by expanded descriptors (``shims/cpu_descriptor_copy.cpp``, compiled with
+  the host compiler): the vLLM-style path on CPU (expansion + this loop) and a pre-expanded
+  run of it (no expansion at all: what the access pattern allows with our copy).
 * CUDA only (UNVERIFIED: written on a machine without a GPU): :class:`BatchMemcpy` calls
   ``cuMemcpyBatchAsync`` (driver entry point fetched through cuda-python, called with the raw
   descriptor arrays as vLLM's C++ op does, no per-descriptor Python objects);
-  :class:`CudaShim` is a small nvcc-compiled library with a per-fragment ``cudaMemcpyAsync``
-  loop (in C, so Python overhead is not measured) and a descriptor-driven copy kernel that
-  reads host-expanded descriptors from device memory and moves bytes through UVA (vLLM's
-  Triton loader idea, with the same lane/vector scheme as our kernel).
+  :class:`CudaShim` is a small nvcc-compiled library (``shims/cuda_baselines.cu``) with a
+  per-fragment ``cudaMemcpyAsync`` loop (in C, so Python overhead is not measured) and a
+  descriptor-driven copy kernel that reads host-expanded descriptors from device memory and
+  moves bytes through UVA (vLLM's Triton loader idea, with the same lane/vector scheme as our
+  kernel).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -282,41 +284,8 @@ class TorchBaseline:
 
 # kernels/include of this repository: the shims share the canonical kernels' copy loops.
 KERNEL_INCLUDE = Path(__file__).resolve().parent.parent / "kernels" / "include"
-
-CPU_SHIM_SOURCE = r"""
-// CPU descriptor-driven copy for bench_transfer.py, compiled at bench time with the host
-// C++ compiler: the canonical CPU kernel's own fragment copy and load prefetch
-// (kernels/include/canonical/cpu_copy.h) over host-expanded (src, dst, size) descriptors,
-// split over OpenMP threads in contiguous ranges as at::parallel_for splits the kernel's work.
-#include <omp.h>
-#include <stdint.h>
-
-#include "canonical/cpu_copy.h"
-
-extern "C" int64_t shim_prefetch_items(int64_t bytes_per_pair, int64_t fragments_per_pair) {
-  return canonical::prefetch_items(bytes_per_pair, fragments_per_pair);
-}
-
-extern "C" void shim_cpu_descriptor_copy(const int64_t* src, const int64_t* dst,
-                                         const int64_t* size, int64_t count,
-                                         int64_t total_bytes, int64_t lookahead, int threads) {
-  const bool streaming = total_bytes >= canonical::kStreamingCallBytes;
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t begin = count * id / n, end = count * (id + 1) / n;
-    for (int64_t i = begin; i < end; ++i) {
-      if (lookahead > 0 && i + lookahead < end) {
-        canonical::prefetch_fragment(reinterpret_cast<const uint8_t*>(src[i + lookahead]),
-                                     size[i + lookahead]);
-      }
-      canonical::copy_fragment(reinterpret_cast<uint8_t*>(dst[i]),
-                               reinterpret_cast<const uint8_t*>(src[i]), size[i], streaming);
-    }
-    if (streaming) canonical::publish_streaming_stores();
-  }
-}
-"""
+# The shims' C++ / CUDA sources (checked by clang-format like the kernels).
+SHIM_SOURCES = Path(__file__).resolve().parent / "shims"
 
 
 class CpuShim:
@@ -325,15 +294,17 @@ class CpuShim:
     Two baselines use it: the vLLM-style path on CPU (numpy expansion, then this loop) and the
     same loop over descriptors expanded once before timing ("pre-expanded"): the very copy of
     our CPU kernel with no expansion at all, so its GB/s is what the access pattern itself
-    allows. Built once per source into ``build_dir`` (default
-    ``$XDG_CACHE_HOME/canonical-kv/bench``) with ``$CXX`` (default ``c++``) and -fopenmp.
+    allows. Built from ``shims/cpu_descriptor_copy.cpp`` once per content (with the headers it
+    includes) into ``build_dir`` (default ``$XDG_CACHE_HOME/canonical-kv/bench``) with
+    ``$CXX`` (default ``c++``) and -fopenmp.
     """
+
+    SOURCE = SHIM_SOURCES / "cpu_descriptor_copy.cpp"
 
     def __init__(self, build_dir: str | os.PathLike | None = None, timeout_s: float = 120):
         cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if cxx is None:
             raise RuntimeError("no C++ compiler (set CXX)")
-        header = (KERNEL_INCLUDE / "canonical" / "cpu_copy.h").read_text()
 
         def command(src: Path, out: Path) -> list[str]:
             return [
@@ -341,9 +312,7 @@ class CpuShim:
                 str(src), "-o", str(out),
             ]  # fmt: skip
 
-        self.path = _built_library(
-            build_dir, "cpu_shim", ".cpp", CPU_SHIM_SOURCE, header + cxx, command, timeout_s
-        )
+        self.path = _built_library(build_dir, self.SOURCE, command, timeout_s)
         so = ctypes.CDLL(self.path)
         so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64]
         so.shim_prefetch_items.restype = ctypes.c_int64
@@ -375,29 +344,70 @@ class CpuShim:
 
 def _built_library(
     build_dir: str | os.PathLike | None,
-    name: str,
-    suffix: str,
-    source: str,
-    fingerprint: str,
+    source: Path,
     command: Callable[[Path, Path], list[str]],
     timeout_s: float,
 ) -> str:
-    """Compiles ``source`` once per content (+ ``fingerprint``: headers, compiler, arch) into
-    the bench build cache and returns the shared library's path; ``command(src, out)`` is the
-    compiler command line."""
-    digest = hashlib.sha1((source + fingerprint).encode()).hexdigest()[:12]
+    """Compile ``source`` into a shared library once per content, in the bench build cache.
+
+    Parameters
+    ----------
+    build_dir
+        Cache folder; None: ``$XDG_CACHE_HOME/canonical-kv/bench``.
+    source
+        The C++ / CUDA file (``bench/shims/...``).
+    command
+        ``command(src, out)``: the compiler command line building ``out`` from ``src``.
+    timeout_s
+        Limit of the compiler run.
+
+    Returns
+    -------
+    str
+        Path of the library, ``<source stem>_<digest>.so``. The digest covers the source, every
+        header it includes with quotes (from ``bench/shims`` or ``kernels/include``, followed
+        recursively) and the command line (compiler, flags, GPU arch), so a change to any of
+        them builds a new library instead of loading a stale one.
+    """
+    digest = hashlib.sha1()
+    for path in [source, *_quoted_includes(source)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update("\0".join(command(Path("SOURCE"), Path("LIBRARY"))).encode())
     cache = _cache_dir(build_dir)
-    lib = cache / f"{name}_{digest}.so"
+    name = f"{source.stem}_{digest.hexdigest()[:12]}"
+    lib = cache / f"{name}.so"
     if not lib.exists():
-        src = cache / f"{name}_{digest}{suffix}"
-        src.write_text(source)
-        tmp = cache / f"{name}_{digest}.{os.getpid()}.so"
-        cmd = command(src, tmp)
+        tmp = cache / f"{name}.{os.getpid()}.so"  # then renamed: concurrent builds never clash
+        cmd = command(source, tmp)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode:
             raise RuntimeError(f"{cmd[0]} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
         os.replace(tmp, lib)
     return str(lib)
+
+
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _quoted_includes(source: Path) -> list[Path]:
+    """Headers ``source`` includes with quotes, recursively, in first-seen order.
+
+    Looked up as the compiler does for these sources: next to the including file, then in
+    ``kernels/include``. Angle-bracket (system) headers are left out.
+    """
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        current = pending.pop(0)
+        for name in _QUOTED_INCLUDE.findall(current.read_text()):
+            for folder in (current.parent, KERNEL_INCLUDE):
+                header = (folder / name).resolve()
+                if header.is_file():
+                    if header not in found:
+                        found.append(header)
+                        pending.append(header)
+                    break
+    return found
 
 
 def _cache_dir(build_dir: str | os.PathLike | None) -> Path:
@@ -461,87 +471,6 @@ class BatchMemcpy:
             raise RuntimeError(f"cuMemcpyBatchAsync failed: {rc} {name!r}")
 
 
-SHIM_SOURCE = r"""
-// Baselines for bench_transfer.py, compiled at bench time with nvcc (no torch headers).
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include "canonical/copy.cuh"  // the fused kernel's own fragment copy
-
-namespace {
-constexpr int kThreads = 512;
-// kGroup lanes per descriptor; descriptors (src[], dst[], size[]) in device memory,
-// data addresses device or pinned host (UVA).
-template <int kGroup>
-__global__ void __launch_bounds__(kThreads)
-    descriptor_copy(const int64_t* __restrict__ desc, int64_t count) {
-  const int lane = threadIdx.x % kGroup;
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kGroup;
-  const int64_t groups = static_cast<int64_t>(gridDim.x) * kThreads / kGroup;
-  for (int64_t i = first; i < count; i += groups) {
-    const uint8_t* s = reinterpret_cast<const uint8_t*>(desc[i]);
-    uint8_t* d = reinterpret_cast<uint8_t*>(desc[count + i]);
-    const int64_t size = desc[2 * count + i];
-    canonical::group_copy<kGroup>(d, s, size, lane);
-  }
-}
-
-template <int kGroup>
-int occupancy(int* blocks_per_sm) {
-  return static_cast<int>(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks_per_sm, descriptor_copy<kGroup>, kThreads, 0));
-}
-}  // namespace
-
-extern "C" {
-int shim_threads() { return kThreads; }
-
-int shim_blocks_per_sm(int group, int* blocks_per_sm) {
-  if (group == 8) return occupancy<8>(blocks_per_sm);
-  if (group == 16) return occupancy<16>(blocks_per_sm);
-  return occupancy<32>(blocks_per_sm);
-}
-
-int shim_descriptor_copy(const int64_t* desc, int64_t count, int grid, int group, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (count <= 0) return 0;
-  if (group == 8) descriptor_copy<8><<<grid, kThreads, 0, s>>>(desc, count);
-  else if (group == 16) descriptor_copy<16><<<grid, kThreads, 0, s>>>(desc, count);
-  else descriptor_copy<32><<<grid, kThreads, 0, s>>>(desc, count);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int shim_memcpy_each(const int64_t* src, const int64_t* dst, const int64_t* sizes,
-                     int64_t count, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  for (int64_t i = 0; i < count; ++i) {
-    const cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst[i]),
-                                          reinterpret_cast<const void*>(src[i]),
-                                          static_cast<size_t>(sizes[i]), cudaMemcpyDefault, s);
-    if (e != cudaSuccess) return static_cast<int>(e);
-  }
-  return 0;
-}
-
-// The device-usable address of pinned host memory (UVA: normally the same address).
-int shim_device_address(const void* host, void** device) {
-  cudaPointerAttributes attributes{};
-  const cudaError_t e = cudaPointerGetAttributes(&attributes, host);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return static_cast<int>(e);
-  }
-  *device = attributes.devicePointer;
-  return attributes.type == cudaMemoryTypeHost ? 0 : -1;
-}
-
-const char* shim_error_string(int code) {
-  return cudaGetErrorString(static_cast<cudaError_t>(code));
-}
-}
-"""
-
-
 def _nvcc() -> str | None:
     try:
         from torch.utils.cpp_extension import CUDA_HOME
@@ -555,9 +484,12 @@ def _nvcc() -> str | None:
 class CudaShim:
     """The nvcc-compiled baseline library (per-fragment cudaMemcpyAsync, descriptor kernel).
 
-    UNVERIFIED: compiled and run only on a GPU machine. Built once per source and GPU arch
-    into ``build_dir`` (default ``$XDG_CACHE_HOME/canonical-kv/bench``).
+    UNVERIFIED: compiled and run only on a GPU machine. Built from ``shims/cuda_baselines.cu``
+    once per content (with the headers it includes) and GPU arch into ``build_dir`` (default
+    ``$XDG_CACHE_HOME/canonical-kv/bench``).
     """
+
+    SOURCE = SHIM_SOURCES / "cuda_baselines.cu"
 
     def __init__(self, build_dir: str | os.PathLike | None = None, timeout_s: float = 180):
         nvcc = _nvcc()
@@ -565,7 +497,6 @@ class CudaShim:
             raise RuntimeError("nvcc not found (set CUDA_HOME)")
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
-        copy_header = (KERNEL_INCLUDE / "canonical" / "copy.cuh").read_text()
 
         def command(src: Path, out: Path) -> list[str]:
             return [
@@ -573,9 +504,7 @@ class CudaShim:
                 f"-gencode=arch=compute_{arch},code=sm_{arch}", str(src), "-o", str(out),
             ]  # fmt: skip
 
-        self.path = _built_library(
-            build_dir, "bench_shim", ".cu", SHIM_SOURCE, copy_header + arch, command, timeout_s
-        )
+        self.path = _built_library(build_dir, self.SOURCE, command, timeout_s)
         so = ctypes.CDLL(self.path)
         i64p = ctypes.c_void_p
         so.shim_threads.restype = ctypes.c_int

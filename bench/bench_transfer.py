@@ -35,7 +35,7 @@ Before timing, each method's bytes are checked against canonical_ops on small ca
 
 Outputs in --out: bench_<device>.json, bench_<device>.md (tables, goals) and, with matplotlib,
 gbps_vs_fragment_<device>.png, host_time_vs_blocks_<device>.png, host_time_vs_layers_<device>.png
-(re-render from the JSON anywhere with ``python bench/plot.py OUT/bench_<device>.json``).
+(re-render from the JSON anywhere with ``python bench/report.py OUT/bench_<device>.json``).
 
 Usage:
   python bench/bench_transfer.py --quick --out DIR        # < 2 min on a 2-core CPU machine
@@ -68,13 +68,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import _baselines as bl
-import plot as report
+import report
+from _results import (
+    DIRECTIONS,
+    MethodKey,
+    results_to_json,
+    verification_from_json,
+    verification_to_json,
+)
 
 import canonical_ops
 from layouts import LayerSpec, derive_group_mappings
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
 CUDA_PLAN_MAX_FRAGMENT = 2048  # canonical_ops' default CUDA work-item size
+# The CPU limit: the best of these contiguous copies of the same byte count (no direction:
+# one copy of n bytes is the limit of a store and of a load alike).
+CPU_LIMITS = (MethodKey("limit_torch"), MethodKey("limit_numpy"), MethodKey("limit_numpythreads"))
 
 
 # ----------------------------------------------------------------------------- NVTX
@@ -344,41 +354,59 @@ class Timing:
 
 
 def measure(
-    fns: dict[str, Callable[[], object]],
+    fns: dict[MethodKey, Callable[[], object]],
     *,
     repeats: int,
     warmup: int,
     stream: torch.cuda.Stream | None,
     label: str,
-    repeats_of: dict[str, int] | None = None,
-    errors: dict[str, str] | None = None,
-) -> dict[str, Timing]:
-    """Round-robin best-of-N timing of ``fns`` (each call in its own NVTX range).
+    repeats_of: dict[MethodKey, int] | None = None,
+    errors: dict[MethodKey, str] | None = None,
+) -> dict[MethodKey, Timing]:
+    """Round-robin best-of-N timing of ``fns``, each call in its own NVTX range.
 
-    A function that raises during warm-up is dropped (its error goes to ``errors``).
+    Parameters
+    ----------
+    fns
+        Zero-argument calls to time, by method and direction.
+    repeats, warmup
+        Timed rounds and untimed rounds before them (at least one).
+    stream
+        CUDA: the stream the calls run on (timed with events on it); CPU: None.
+    label
+        The case, in NVTX ranges (``"<method>_<direction> | <label>"``) and messages.
+    repeats_of
+        Fewer rounds for some keys (slow baselines).
+    errors
+        Receives the error of a call that raised during warm-up; that call is dropped.
+
+    Returns
+    -------
+    dict
+        A :class:`Timing` per key that was not dropped.
     """
     cuda = stream is not None
     fns = dict(fns)
     for _ in range(max(1, warmup)):
-        for name, fn in list(fns.items()):
+        for key, fn in list(fns.items()):
             try:
-                with nvtx_range(f"warmup {name} | {label}"):
+                with nvtx_range(f"warmup {key.label} | {label}"):
                     fn()
                 if cuda:
                     stream.synchronize()
             except Exception as exc:
-                del fns[name]
+                del fns[key]
                 if errors is not None:
-                    errors[name] = f"error: {type(exc).__name__}: {exc}"[:300]
-                print(f"[bench] {name} ({label}) dropped: {exc}", flush=True)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+                    errors[key] = f"error: {type(exc).__name__}: {exc}"[:300]
+                print(f"[bench] {key.label} ({label}) dropped: {exc}", flush=True)
+    samples: dict[MethodKey, list[tuple[float, float]]] = {key: [] for key in fns}
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(repeats):
-        for name, fn in fns.items():
-            if repeats_of and rep >= repeats_of.get(name, repeats):
+        for key, fn in fns.items():
+            if repeats_of and rep >= repeats_of.get(key, repeats):
                 continue
-            with nvtx_range(f"{name} | {label}"):
+            with nvtx_range(f"{key.label} | {label}"):
                 if cuda:
                     start.record(stream)
                 t0 = time.perf_counter()
@@ -391,15 +419,15 @@ def measure(
                 elapsed = start.elapsed_time(end) / 1e3
             else:
                 elapsed = t1 - t0
-            samples[name].append((elapsed, t1 - t0))
+            samples[key].append((elapsed, t1 - t0))
     return {
-        name: Timing(
+        key: Timing(
             time_s=min(s[0] for s in values),
             host_s=min(s[1] for s in values),
             host_median_s=statistics.median(s[1] for s in values),
             samples=len(values),
         )
-        for name, values in samples.items()
+        for key, values in samples.items()
     }
 
 
@@ -515,7 +543,9 @@ class Bench:
         fns["pytorch"] = lambda: move(blocks_dev, s.page_ids_cpu)
         return {k: v for k, v in fns.items() if k not in self.unavailable}
 
-    def limits(self, s: Setup) -> dict[str, Callable[[], object]]:
+    def limits(self, s: Setup) -> dict[MethodKey, Callable[[], object]]:
+        """One contiguous copy of ``s``'s byte count: CPU, the :data:`CPU_LIMITS` candidates
+        (each serves both directions); CUDA, one pinned copy per direction."""
         n = s.bytes
         dev, host = self.ws.kv[:n], self.ws.limit[:n]
         if not self.cuda:
@@ -527,14 +557,15 @@ class Bench:
             if self.copy_pool is None:
                 self.copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="limit")
             pool = self.copy_pool
+            torch_copy, numpy_copy, numpy_threads = CPU_LIMITS
             return {
-                "limit_torch": lambda: host.copy_(dev),
-                "limit_numpy": lambda: np.copyto(host_np, dev_np),
-                "limit_numpythreads": lambda: list(pool.map(lambda p: np.copyto(*p), parts)),
+                torch_copy: lambda: host.copy_(dev),
+                numpy_copy: lambda: np.copyto(host_np, dev_np),
+                numpy_threads: lambda: list(pool.map(lambda p: np.copyto(*p), parts)),
             }
         return {
-            "limit_store": lambda: host.copy_(dev, non_blocking=True),
-            "limit_load": lambda: dev.copy_(host, non_blocking=True),
+            MethodKey("limit", "store"): lambda: host.copy_(dev, non_blocking=True),
+            MethodKey("limit", "load"): lambda: dev.copy_(host, non_blocking=True),
         }
 
     def check_uva(self) -> None:
@@ -557,13 +588,13 @@ class Bench:
 
     # -- verification -----------------------------------------------------------------------
 
-    def verify(self, cases: list[Case]) -> dict[str, dict[str, str]]:
+    def verify(self, cases: list[Case]) -> dict[str, dict[MethodKey, str]]:
         """Each method's bytes vs canonical_ops on small cases (stores, then loads)."""
-        out: dict[str, dict[str, str]] = {}
+        out: dict[str, dict[MethodKey, str]] = {}
         for case in cases:
             s = build_setup(self.ws, case, self.cfg.verify_blocks, self.cfg.verify_layers, 7)
             out[case.name] = self._verify_setup(s)
-            bad = {k: v for k, v in out[case.name].items() if v != "ok"}
+            bad = {str(k): v for k, v in out[case.name].items() if v != "ok"}
             print(f"[verify] {case.name}: {bad or 'all ok'}", flush=True)
         return out
 
@@ -576,10 +607,10 @@ class Bench:
         else:
             fn()
 
-    def _verify_setup(self, s: Setup) -> dict[str, str]:
-        result: dict[str, str] = {}
+    def _verify_setup(self, s: Setup) -> dict[MethodKey, str]:
+        result: dict[MethodKey, str] = {}
         gen = torch.Generator().manual_seed(1)
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             store = direction == "store"
             target = [s.pages] if store else s.kv
             source = s.kv if store else [s.pages]
@@ -609,9 +640,9 @@ class Bench:
             self._run(fns.pop("canonical"))
             reference = snapshot()
             if not any(bool(t.any()) for t in reference):
-                result[f"canonical {direction}"] = "moved nothing"
+                result[MethodKey("canonical", direction)] = "moved nothing"
             for name, fn in fns.items():
-                key = f"{name} {direction}"
+                key = MethodKey(name, direction)
                 clear()
                 try:
                     self._run(fn)
@@ -637,26 +668,23 @@ class Bench:
             bytes=s.bytes,
             descriptors=s.descriptors,
         )
-        fns: dict[str, Callable[[], object]] = dict(self.limits(s))
-        for direction in ("store", "load"):
+        fns: dict[MethodKey, Callable[[], object]] = dict(self.limits(s))
+        for direction in DIRECTIONS:
             for name, fn in self.methods(s, direction).items():
-                fns[f"{name}_{direction}"] = fn
-        few = {k: min(3, cfg.repeats) for k in fns if k.startswith(("per_fragment", "pytorch"))}
-        errors: dict[str, str] = {}
+                fns[MethodKey(name, direction)] = fn
+        # The slow baselines: a few rounds tell their speed well enough.
+        few = {k: min(3, cfg.repeats) for k in fns if k.method in ("per_fragment", "pytorch")}
+        errors: dict[MethodKey, str] = {}
         t = self._measure(fns, case.name, repeats_of=few, errors=errors)
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             if self.cuda:
-                limit = t[f"limit_{direction}"]
+                limit = t[MethodKey("limit", direction)]
             else:
-                limit = min(
-                    (t[k] for k in ("limit_torch", "limit_numpy", "limit_numpythreads")),
-                    key=lambda x: x.time_s,
-                )
+                limit = min((t[k] for k in CPU_LIMITS), key=lambda x: x.time_s)
             methods = {"limit": self._entry(limit, s.bytes, limit, "limit")}
             for key, timing in t.items():
-                name, _, d = key.rpartition("_")
-                if d == direction and not key.startswith("limit"):
-                    methods[name] = self._entry(timing, s.bytes, limit, name)
+                if key.direction == direction and key.method != "limit":
+                    methods[key.method] = self._entry(timing, s.bytes, limit, key.method)
             if (
                 self.cuda
                 and "per_fragment" not in methods
@@ -668,9 +696,8 @@ class Bench:
             for name, why in self.unavailable.items():
                 methods.setdefault(name, {"skipped": why})
             for key, why in errors.items():
-                name, _, d = key.rpartition("_")
-                if d == direction:
-                    methods[name] = {"skipped": why}
+                if key.direction == direction:
+                    methods[key.method] = {"skipped": why}
             row[direction] = methods
         return row
 
@@ -698,21 +725,23 @@ class Bench:
             bytes=s.bytes,
             descriptors=s.descriptors,
         )
-        fns: dict[str, Callable[[], object]] = {}
+        fns: dict[MethodKey, Callable[[], object]] = {}
         if self.cuda:
             fns.update(self.limits(s))
-        for direction in ("store", "load"):
+        for direction in DIRECTIONS:
             methods = self.methods(s, direction, host_sweep=True)
             for name in ("pytorch", "per_fragment"):
                 methods.pop(name, None)
             for name, fn in methods.items():
                 if direction == "load" and name.startswith("vllm_expand"):
                     continue  # same work as the store's expansion
-                fns[f"{name}_{direction}"] = fn
+                fns[MethodKey(name, direction)] = fn
         exp = s.expanders["store"]
         if "vllm_expand" not in self.unavailable:
-            fns["vllm_expand_loop_store"] = lambda: exp.expand_per_layer(s.block_np, s.page_np)
-        errors: dict[str, str] = {}
+            fns[MethodKey("vllm_expand_loop", "store")] = lambda: exp.expand_per_layer(
+                s.block_np, s.page_np
+            )
+        errors: dict[MethodKey, str] = {}
         t = self._measure(fns, f"{case.name} N={blocks} L={layers}", errors=errors)
         if errors:
             point["errors"] = errors
@@ -729,21 +758,25 @@ class Bench:
         saved, self.args.sm_budget = self.args.sm_budget, budget
         try:
             fns = dict(self.limits(s))
-            for direction in ("store", "load"):
+            for direction in DIRECTIONS:
                 methods = self.methods(s, direction)
                 for name in ("canonical", "uva_kernel"):
                     if name in methods:
-                        fns[f"{name}_{direction}"] = methods[name]
+                        fns[MethodKey(name, direction)] = methods[name]
             t = self._measure(fns, f"{case.name} SMs={budget}")
         finally:
             canonical_ops.set_sm_budget(previous)
             self.args.sm_budget = saved
-        point = dict(case=case.name, sm_budget=budget, bytes=s.bytes)
-        for key, v in t.items():
-            point[key] = dict(time_s=v.time_s, gbps=s.bytes / v.time_s / 1e9)
-        return point
+        return dict(
+            case=case.name,
+            sm_budget=budget,
+            bytes=s.bytes,
+            methods={
+                key: dict(time_s=v.time_s, gbps=s.bytes / v.time_s / 1e9) for key, v in t.items()
+            },
+        )
 
-    def _measure(self, fns: dict[str, Callable[[], object]], label: str, **kwargs):
+    def _measure(self, fns: dict[MethodKey, Callable[[], object]], label: str, **kwargs):
         """measure() with this run's repeats and warm-up, on the side stream on CUDA."""
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with ctx:
@@ -797,7 +830,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring), with ``--device auto`` resolved.
+
+    Parameters
+    ----------
+    argv
+        Arguments without the program name; None: ``sys.argv[1:]``.
+
+    Returns
+    -------
+    argparse.Namespace
+        ``device`` is ``"cpu"`` or ``"cuda"``; exits with a message when CUDA is asked for but
+        there is no GPU or canonical_ops has no CUDA kernels.
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="small sweep (< 2 min on 2 cores)")
@@ -827,6 +873,75 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: no CUDA GPU available")
     if args.device == "cuda" and not canonical_ops.BUILT_WITH_CUDA:
         raise SystemExit("--device cuda: canonical_ops was built without CUDA kernels")
+    return args
+
+
+@dataclass
+class Run:
+    """One benchmark run: its settings, its cases, the measuring :class:`Bench`, the results.
+
+    The sections (:func:`verify_methods`, :func:`fragment_sweep`, :func:`blocks_sweep`,
+    :func:`layers_sweep`, :func:`sm_budget_sweep`) append to ``results`` and call
+    :meth:`save`; :func:`write_outputs` finishes.
+    """
+
+    args: argparse.Namespace
+    cfg: Config
+    device: torch.device
+    sections: set[str]  # of fragments, blocks, layers, sms
+    out: Path  # --out: the JSON, markdown and plots
+    started: float  # perf_counter at the start (elapsed_s, --time-budget)
+    frag_cases: list[Case]  # fragment sweep
+    sweep_case: Case  # blocks and layers sweeps
+    sm_cases: list[Case]  # SM-budget sweep
+    verify_cases: list[Case]
+    results: dict  # in memory: sweep points and verification keyed by MethodKey
+    bench: Bench | None = None  # made by prepare()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def json_path(self) -> Path:
+        return self.out / f"bench_{self.device.type}.json"
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self) -> bool:
+        """Past --time-budget: the sections skip (and list) the cases they have not started."""
+        return self.args.time_budget is not None and self.elapsed_s() > self.args.time_budget
+
+    def save(self) -> None:
+        """Write the JSON and the markdown as they stand.
+
+        Called after every case, so that a run killed at its time limit keeps what it measured.
+        """
+        meta = self.results["meta"]
+        meta["elapsed_s"] = round(self.elapsed_s(), 1)
+        meta["loadavg_end"] = _loadavg()
+        self.results["goals"] = report.evaluate_goals(self.results)
+        text = json.dumps(results_to_json(self.results), indent=1, default=_json_default)
+        self.json_path.write_text(text)
+        report.write_markdown(self.results, self.json_path.with_suffix(".md"))
+
+
+def new_run(args: argparse.Namespace, argv: list[str] | None = None) -> Run:
+    """The run ``args`` ask for: configuration, cases, output folder, empty results.
+
+    Parameters
+    ----------
+    args
+        From :func:`parse_args`.
+    argv
+        The arguments as given (recorded in the results' ``meta.command``).
+
+    Returns
+    -------
+    Run
+        Without a :class:`Bench` yet (see :func:`prepare`); nothing measured.
+    """
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     cfg = make_config(args.quick, cuda)
@@ -840,34 +955,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    def over_budget() -> bool:
-        return args.time_budget is not None and time.perf_counter() - started > args.time_budget
-
     frag_cases = real_cases() + dense_references(cfg.dense_sizes)
     if args.only:
         frag_cases = [c for c in frag_cases if args.only.lower() in c.name.lower()]
     if args.preflight:
         frag_cases = []
-    sweep_case = case_by_name(args.sweep_case)
-    sm_cases = [case_by_name("split NHD TP8"), case_by_name("packed NHD TP8")]
-    verify_cases = [
-        case_by_name("split NHD TP8"),
-        case_by_name("packed HND TP2"),
-        case_by_name("MLA 576 TP1"),
-        dense_references((256,))[0],
-    ]
-
-    # Size the pools once for everything this run may build.
-    plans = [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in frag_cases]
-    plans += [(c, cfg.verify_blocks, cfg.verify_layers) for c in verify_cases]
-    if "sms" in sections and cuda:
-        plans += [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in sm_cases]
-    if "blocks" in sections:
-        plans += [(sweep_case, n, cfg.sweep_blocks_layers) for n in cfg.sweep_blocks]
-    if "layers" in sections:
-        plans += [(sweep_case, cfg.sweep_layers_blocks, n) for n in cfg.sweep_layers]
-    kv_bytes, pages_bytes, desc_words = (max(v) for v in zip(*(needs(*p) for p in plans)))
-
     results: dict = dict(
         meta=dict(
             machine_info(device),
@@ -884,116 +976,195 @@ def main(argv: list[str] | None = None) -> int:
         sm_sweep=[],
         skipped=[],
     )
-    json_path = out / f"bench_{device.type}.json"
+    return Run(
+        args=args,
+        cfg=cfg,
+        device=device,
+        sections=sections,
+        out=out,
+        started=started,
+        frag_cases=frag_cases,
+        sweep_case=case_by_name(args.sweep_case),
+        sm_cases=[case_by_name("split NHD TP8"), case_by_name("packed NHD TP8")],
+        verify_cases=[
+            case_by_name("split NHD TP8"),
+            case_by_name("packed HND TP2"),
+            case_by_name("MLA 576 TP1"),
+            dense_references((256,))[0],
+        ],
+        results=results,
+    )
 
-    def save() -> None:
-        results["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
-        results["meta"]["loadavg_end"] = _loadavg()
-        results["goals"] = report.evaluate_goals(results)
-        json_path.write_text(json.dumps(results, indent=1, default=_json_default))
-        report.write_markdown(results, out / f"bench_{device.type}.md")
 
-    bench = Bench(args, cfg, device)
-    results["meta"]["unavailable"] = dict(bench.unavailable)
+def pool_sizes(run: Run) -> tuple[int, int, int]:
+    """Bytes of the kv and pages pools and int64 words of the descriptor pool that every
+    case this run may build fits in (the pools are allocated once, before any timing)."""
+    cfg, sections = run.cfg, run.sections
+    plans = [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in run.frag_cases]
+    plans += [(c, cfg.verify_blocks, cfg.verify_layers) for c in run.verify_cases]
+    if "sms" in sections and run.cuda:
+        plans += [(c, frag_blocks(c, cfg), cfg.frag_layers) for c in run.sm_cases]
+    if "blocks" in sections:
+        plans += [(run.sweep_case, n, cfg.sweep_blocks_layers) for n in cfg.sweep_blocks]
+    if "layers" in sections:
+        plans += [(run.sweep_case, cfg.sweep_layers_blocks, n) for n in cfg.sweep_layers]
+    kv_bytes, pages_bytes, desc_words = (max(v) for v in zip(*(needs(*p) for p in plans)))
+    return kv_bytes, pages_bytes, desc_words
+
+
+def prepare(run: Run) -> None:
+    """Make the run's :class:`Bench` (baselines built or marked unavailable) and its pools.
+
+    Records in ``meta`` which methods are unavailable and why, and the shim / ABI in use.
+    """
+    meta = run.results["meta"]
+    bench = run.bench = Bench(run.args, run.cfg, run.device)
+    meta["unavailable"] = dict(bench.unavailable)
     if bench.shim is not None:
-        results["meta"]["shim"] = bench.shim.path
+        meta["shim"] = bench.shim.path
     if bench.batch is not None:
-        results["meta"]["batch_abi"] = bench.batch.abi
+        meta["batch_abi"] = bench.batch.abi
+    kv_bytes, pages_bytes, desc_words = pool_sizes(run)
     print(
-        f"[bench] {device.type} ({'quick' if args.quick else 'full'}): pools kv "
+        f"[bench] {run.device.type} ({'quick' if run.args.quick else 'full'}): pools kv "
         f"{kv_bytes / 2**20:.0f} MiB, pages {pages_bytes / 2**20:.0f} MiB, "
-        f"descriptors {desc_words // 3} -> {out}",
+        f"descriptors {desc_words // 3} -> {run.out}",
         flush=True,
     )
-    bench.ws = Workspace(device, kv_bytes, pages_bytes, desc_words)
-    if cuda:
+    bench.ws = Workspace(run.device, kv_bytes, pages_bytes, desc_words)
+    if run.cuda:
         bench.check_uva()
-        results["meta"]["unavailable"] = dict(bench.unavailable)
+        meta["unavailable"] = dict(bench.unavailable)
 
-    if args.preflight:  # child process: verify, report, exit
-        if args.preflight_methods is not None:
-            keep = set(args.preflight_methods.split(","))
-            for name in RISKY_CUDA:
-                if name not in keep:
-                    bench.unavailable.setdefault(name, "not in this preflight")
-        print(PREFLIGHT_TAG + json.dumps(bench.verify(verify_cases)), flush=True)
-        return 0
-    if not args.no_verify:
-        with nvtx_range("verify"):
-            if cuda:  # in child processes: a faulting baseline must not kill this one
-                results["verification"] = cuda_preflight(args, bench)
-            else:
-                results["verification"] = bench.verify(verify_cases)
-        disable_failed(bench, results["verification"])
-        results["meta"]["unavailable"] = dict(bench.unavailable)
-        save()
 
-    def run_fragments() -> None:
-        seen: dict[tuple, str] = {}
-        for case in frag_cases:
-            if over_budget():
-                results["skipped"].append(f"fragment case {case.name}: time budget")
-                continue
-            m = case.mapping()
-            key = (case.fragments().tobytes(), m.local_page_size_bytes, m.canonical_page_size_bytes)
-            if key in seen:  # identical bytes moved: report, do not re-measure
-                results["fragment_sweep"].append(
-                    dict(
-                        case=case.name,
-                        kind=case.kind,
-                        tp=case.tp,
-                        fragment_bytes=case.fragment_bytes,
-                        alias_of=seen[key],
-                    )
+# ----------------------------------------------------------------------------- sections
+
+
+def verify_methods(run: Run) -> None:
+    """Verification: every method's bytes against canonical_ops on small cases.
+
+    A method that moves wrong bytes (or raises) is not measured afterwards. On CUDA the
+    checks run in child processes (:func:`cuda_preflight`), so that a baseline that faults
+    cannot take this process down with it.
+    """
+    bench = run.bench
+    with nvtx_range("verify"):
+        if run.cuda:
+            run.results["verification"] = cuda_preflight(run.args, bench)
+        else:
+            run.results["verification"] = bench.verify(run.verify_cases)
+    disable_failed(bench, run.results["verification"])
+    run.results["meta"]["unavailable"] = dict(bench.unavailable)
+    run.save()
+
+
+def preflight_child(run: Run) -> int:
+    """The --preflight child of :func:`cuda_preflight`: verify, print the result, exit.
+
+    Returns
+    -------
+    int
+        The exit status (0): the verification goes to stdout after :data:`PREFLIGHT_TAG`.
+    """
+    bench = run.bench
+    if run.args.preflight_methods is not None:
+        keep = set(run.args.preflight_methods.split(","))
+        for name in RISKY_CUDA:
+            if name not in keep:
+                bench.unavailable.setdefault(name, "not in this preflight")
+    verification = verification_to_json(bench.verify(run.verify_cases))
+    print(PREFLIGHT_TAG + json.dumps(verification), flush=True)
+    return 0
+
+
+def fragment_sweep(run: Run) -> None:
+    """Fragment sweep: GB/s of every method on each case of ``run.frag_cases``.
+
+    A case that moves exactly the fragments of a case already measured is recorded as an
+    alias of it instead of being measured again.
+    """
+    results = run.results
+    seen: dict[tuple, str] = {}
+    for case in run.frag_cases:
+        if run.over_budget():
+            results["skipped"].append(f"fragment case {case.name}: time budget")
+            continue
+        m = case.mapping()
+        key = (case.fragments().tobytes(), m.local_page_size_bytes, m.canonical_page_size_bytes)
+        if key in seen:  # identical bytes moved: report, do not re-measure
+            results["fragment_sweep"].append(
+                dict(
+                    case=case.name,
+                    kind=case.kind,
+                    tp=case.tp,
+                    fragment_bytes=case.fragment_bytes,
+                    alias_of=seen[key],
                 )
+            )
+            continue
+        seen[key] = case.name
+        with nvtx_range(f"case {case.name}"):
+            row = run.bench.fragment_case(case)
+        results["fragment_sweep"].append(row)
+        print(report.fragment_line(row), flush=True)
+        run.save()
+
+
+def blocks_sweep(run: Run) -> None:
+    """Blocks sweep: host time per call vs the number of blocks (``run.sweep_case``, a fixed
+    number of layers): is canonical's enqueue flat in N, what does the expansion cost."""
+    _host_time_sweep(run, "blocks")
+
+
+def layers_sweep(run: Run) -> None:
+    """Layers sweep: host time per call vs the number of layers (``run.sweep_case``, a fixed
+    number of blocks)."""
+    _host_time_sweep(run, "layers")
+
+
+def _host_time_sweep(run: Run, section: str) -> None:
+    """The blocks or layers sweep: one :meth:`Bench.host_point` per swept value."""
+    cfg, results = run.cfg, run.results
+    values = cfg.sweep_blocks if section == "blocks" else cfg.sweep_layers
+    for value in values:
+        if run.over_budget():
+            results["skipped"].append(f"{section} sweep {value}: time budget")
+            continue
+        blocks = value if section == "blocks" else cfg.sweep_layers_blocks
+        layers = value if section == "layers" else cfg.sweep_blocks_layers
+        with nvtx_range(f"{section} sweep N={blocks} L={layers}"):
+            point = run.bench.host_point(run.sweep_case, blocks, layers)
+        results[f"{section}_sweep"].append(point)
+        print(report.host_line(point), flush=True)
+        run.save()
+
+
+def sm_budget_sweep(run: Run) -> None:
+    """SM-budget sweep (CUDA): GB/s of canonical and the UVA kernel per SM budget, with the
+    copy-engine limit beside them, on each of ``run.sm_cases``."""
+    results = run.results
+    for case in run.sm_cases:
+        for budget in run.cfg.sm_budgets:
+            if run.over_budget():
+                results["skipped"].append(f"sm sweep {case.name} {budget}: time budget")
                 continue
-            seen[key] = case.name
-            with nvtx_range(f"case {case.name}"):
-                row = bench.fragment_case(case)
-            results["fragment_sweep"].append(row)
-            print(report.fragment_line(row), flush=True)
-            save()
+            results["sm_sweep"].append(run.bench.sm_point(case, budget))
+        run.save()
 
-    def run_sweep(section: str) -> None:
-        values = cfg.sweep_blocks if section == "blocks" else cfg.sweep_layers
-        for value in values:
-            if over_budget():
-                results["skipped"].append(f"{section} sweep {value}: time budget")
-                continue
-            blocks = value if section == "blocks" else cfg.sweep_layers_blocks
-            layers = value if section == "layers" else cfg.sweep_blocks_layers
-            with nvtx_range(f"{section} sweep N={blocks} L={layers}"):
-                point = bench.host_point(sweep_case, blocks, layers)
-            results[f"{section}_sweep"].append(point)
-            print(report.host_line(point), flush=True)
-            save()
 
-    # The (short) blocks sweep first: a time budget then still leaves the enqueue-vs-N figures.
-    if "blocks" in sections:
-        run_sweep("blocks")
-    if "fragments" in sections:
-        run_fragments()
-    if "layers" in sections:
-        run_sweep("layers")
-
-    if "sms" in sections and cuda:
-        for case in sm_cases:
-            for budget in cfg.sm_budgets:
-                if over_budget():
-                    results["skipped"].append(f"sm sweep {case.name} {budget}: time budget")
-                    continue
-                results["sm_sweep"].append(bench.sm_point(case, budget))
-            save()
-
-    save()
-    if not args.no_plots:
-        written = report.write_plots(results, out)
+def write_outputs(run: Run) -> None:
+    """Output: the final JSON and markdown, then (unless --no-plots) the PNG plots."""
+    run.save()
+    if not run.args.no_plots:
+        written = report.write_plots(run.results, run.out)
         print("[bench] plots: " + (", ".join(map(str, written)) if written else "none"))
     print(
-        f"[bench] wrote {json_path} and {json_path.with_suffix('.md')} "
-        f"in {time.perf_counter() - started:.0f} s"
+        f"[bench] wrote {run.json_path} and {run.json_path.with_suffix('.md')} "
+        f"in {run.elapsed_s():.0f} s"
     )
-    return 0
+
+
+# ----------------------------------------------------------------------------- CUDA preflight
 
 
 RISKY_CUDA = ("vllm_batch", "uva_kernel", "per_fragment")
@@ -1014,7 +1185,7 @@ def _preflight(args: argparse.Namespace, methods: str | None, timeout_s: float):
     found = None
     for line in proc.stdout.splitlines():
         if line.startswith(PREFLIGHT_TAG):
-            found = json.loads(line[len(PREFLIGHT_TAG) :])
+            found = verification_from_json(json.loads(line[len(PREFLIGHT_TAG) :]))
         else:
             print(f"  [preflight] {line}", flush=True)
     if found is None:
@@ -1053,8 +1224,7 @@ def cuda_preflight(args: argparse.Namespace, bench: Bench) -> dict:
 def disable_failed(bench: Bench, verification: dict) -> None:
     """Methods that moved wrong bytes (or raised) on any verified case are not measured."""
     for case, checks in verification.items():
-        for key, status in checks.items():
-            name, _, direction = key.rpartition(" ")
+        for (name, direction), status in checks.items():
             if status != "ok" and name != "canonical" and name not in bench.unavailable:
                 bench.unavailable[name] = f"failed verification ({case}, {direction}): {status}"
                 print(f"[bench] {name} disabled: {bench.unavailable[name]}", flush=True)
@@ -1068,6 +1238,28 @@ def _json_default(value):
     if isinstance(value, (tuple, set)):
         return list(value)
     return str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, then run the sections it asks for; returns the exit status."""
+    args = parse_args(argv)
+    run = new_run(args, argv)
+    prepare(run)
+    if args.preflight:
+        return preflight_child(run)
+    if not args.no_verify:
+        verify_methods(run)
+    # The (short) blocks sweep first: a time budget then still leaves the enqueue-vs-N figures.
+    if "blocks" in run.sections:
+        blocks_sweep(run)
+    if "fragments" in run.sections:
+        fragment_sweep(run)
+    if "layers" in run.sections:
+        layers_sweep(run)
+    if "sms" in run.sections and run.cuda:
+        sm_budget_sweep(run)
+    write_outputs(run)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #
 # Everything is logged to $OUT/log; the benchmark writes $OUT/bench/bench_cuda.{json,md} (and
 # PNGs when matplotlib is installed; otherwise render them later with
-# `python bench/plot.py $OUT/bench/bench_cuda.json`); $OUT/summary.txt lists each step's exit
+# `python bench/report.py $OUT/bench/bench_cuda.json`); $OUT/summary.txt lists each step's exit
 # status and time. Every step runs under `timeout`, within a total budget
 # (DEVICE_CHECK_BUDGET_S, default 470 s) that keeps BENCH_RESERVE_S (default 170 s) for the
 # benchmark. No network needed.

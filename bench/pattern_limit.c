@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < 21; ++rep) {
     double t = now();
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; ++i) copy_stream(other + i * fragment, dense + i * fragment, fragment);
+    for (size_t i = 0; i < n; ++i)
+      copy_stream(other + i * fragment, dense + i * fragment, fragment);
     _mm_sfence();
     t = now() - t;
     if (t < contiguous) contiguous = t;
@@ -100,9 +101,10 @@ int main(int argc, char** argv) {
     t = now() - t;
     if (t < load) load = t;
   }
-  printf("%zu B fragments, one per random %zu B slot, %d threads, %s pages: contiguous %.2f GB/s | "
-         "scattered store %.2f GB/s (%.2fx) | scattered load %.2f GB/s (%.2fx)\n",
-         fragment, slot, omp_get_max_threads(), huge ? "2 MiB" : "4 KiB", bytes / contiguous / 1e9,
-         bytes / store / 1e9, contiguous / store, bytes / load / 1e9, contiguous / load);
+  printf(
+      "%zu B fragments, one per random %zu B slot, %d threads, %s pages: contiguous %.2f GB/s | "
+      "scattered store %.2f GB/s (%.2fx) | scattered load %.2f GB/s (%.2fx)\n",
+      fragment, slot, omp_get_max_threads(), huge ? "2 MiB" : "4 KiB", bytes / contiguous / 1e9,
+      bytes / store / 1e9, contiguous / store, bytes / load / 1e9, contiguous / load);
   return 0;
 }

@@ -1,9 +1,13 @@
-"""Tables, goals and plots of bench_transfer.py results (JSON in, markdown and PNG out).
+"""Markdown tables, goals and PNG plots of bench_transfer.py results (JSON in).
 
-Usage: python bench/plot.py RESULTS.json [--out DIR]
-    re-renders RESULTS.json into DIR (default: the JSON's folder): bench_<device>.md and, when
-    matplotlib is installed, the PNG plots (e.g. for GPU results produced on a machine without
-    matplotlib).
+bench_transfer.py calls it as it runs; run it alone to re-render a results file, e.g. GPU
+results produced on a machine without matplotlib, or after a change to the goals:
+
+    python bench/report.py OUT/bench_<device>.json [--out DIR]
+
+writes DIR/bench_<device>.md (default DIR: the JSON's folder) and, when matplotlib is
+installed, the PNG plots. The goals the results are judged against are the :data:`GOALS`
+table below.
 """
 
 from __future__ import annotations
@@ -11,7 +15,196 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from _results import DIRECTIONS, MethodKey, results_from_json
+
+# ----------------------------------------------------------------------------- goals
+# What results are judged against: the GOALS table (evaluated by evaluate_goals, below).
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One condition of a goal: ``value op limit``, e.g. ``ratio >= 0.85``.
+
+    ``value`` names a number the goal's metric measures (see :data:`METRICS`), or
+    ``sm_budget``: the run's CUDA SM budget (0 when none was set). ``unit`` is how the limit
+    reads in the goal's text: ``"×"``, ``"µs"`` (``limit`` in seconds) or ``""``.
+    """
+
+    value: str
+    op: str
+    limit: float
+    unit: str = ""
+
+    def holds(self, measured: float) -> bool:
+        return _COMPARISONS[self.op](measured, self.limit)
+
+    def shortfall(self, measured: float) -> float:
+        """Larger the further ``measured`` is from meeting the bound (ranks the worst case)."""
+        return -measured if self.op.startswith(">") else measured
+
+    def __str__(self) -> str:
+        if self.unit == "µs":
+            return f"{self.limit * 1e6:g} µs"
+        return f"{self.limit:g}{self.unit}"
+
+
+_COMPARISONS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    ">": operator.gt,
+    "<=": operator.le,
+    "<": operator.lt,
+}
+
+
+@dataclass(frozen=True)
+class Cases:
+    """The results a goal is judged on, and how many verdicts they give.
+
+    ``section`` is ``"fragment_sweep"`` (its rows, aliases left out, filtered by ``kinds``,
+    ``skip_kinds``, the fragment size range and ``whole_pages``) or ``"blocks_sweep"`` (its
+    points). ``judge``: ``"each"`` one verdict per case; ``"worst"`` one verdict, on the case
+    furthest from the goal's first bound; ``"first"`` the first case only; ``"sweep"`` one
+    verdict on the whole sweep (the metric gets every point).
+    """
+
+    section: str = "fragment_sweep"
+    kinds: tuple[str, ...] = ()  # empty: every kind
+    skip_kinds: tuple[str, ...] = ()
+    min_fragment: int = 0
+    max_fragment: int | None = None
+    whole_pages: bool = False  # only cases with one fragment per block
+    judge: str = "each"
+
+    def select(self, results: dict) -> list[dict]:
+        if self.section != "fragment_sweep":
+            return list(results.get(self.section, []))
+        return [
+            row
+            for row in _rows(results)
+            if (not self.kinds or row["kind"] in self.kinds)
+            and row["kind"] not in self.skip_kinds
+            and self.min_fragment <= row["fragment_bytes"]
+            and (self.max_fragment is None or row["fragment_bytes"] <= self.max_fragment)
+            and (not self.whole_pages or row["fragments_per_block"] == 1)
+        ]
+
+    @property
+    def sizes(self) -> str:
+        """The fragment sizes as goal texts name them: ``4 KiB``, ``≥ 512 B``, ``256-512 B``."""
+        low, high = self.min_fragment, self.max_fragment
+        if high is None:
+            return f"≥ {fmt_bytes(low)}"
+        if low == high:
+            return fmt_bytes(low)
+        if high < 1024:
+            return f"{low}-{high} B"
+        return f"{fmt_bytes(low)}-{fmt_bytes(high)}"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target the results are judged against (one or more rows of the goals table).
+
+    Parameters
+    ----------
+    id
+        Stable name of the goal (kept in the JSON's ``goals``).
+    device
+        ``"cpu"`` or ``"cuda"``: the results it applies to.
+    metric
+        A key of :data:`METRICS`: what is measured on each case.
+    threshold
+        Bounds that must all hold for the goal to be met; empty: a reference figure,
+        reported without a verdict.
+    cases
+        The cases it applies to and how they are judged.
+    text
+        The goal as the table states it: a ``str.format`` template over ``{limit[VALUE]}``
+        (a bound's limit with its unit), ``{direction}``, ``{sizes}`` (the cases' fragment
+        sizes), ``{sm_budget}`` and the metric's fields (``{case}``, ``{dest}``, ...).
+    per_direction
+        One verdict per direction (store, load); else the metric judges both at once.
+    """
+
+    id: str
+    device: str
+    metric: str
+    threshold: tuple[Bound, ...]
+    cases: Cases
+    text: str
+    per_direction: bool = False
+
+
+GOALS: tuple[Goal, ...] = (
+    Goal(
+        id="cpu-4k-vs-limit",
+        device="cpu",
+        metric="canonical_vs_limit_with_pre_expanded",
+        threshold=(Bound("ratio", ">=", 0.85, "×"),),
+        cases=Cases(kinds=("sparse", "dense-ref"), min_fragment=4096, max_fragment=4096),
+        text="canonical ≥ {limit[ratio]} limit at {sizes} ({dest}: {case})",
+    ),
+    Goal(
+        id="cpu-256b-vs-limit",
+        device="cpu",
+        metric="canonical_vs_limit_with_pre_expanded",
+        threshold=(Bound("ratio", ">=", 0.5, "×"),),
+        cases=Cases(kinds=("sparse", "dense-ref"), min_fragment=256, max_fragment=256),
+        text="canonical ≥ {limit[ratio]} limit at {sizes} ({dest}: {case})",
+    ),
+    Goal(
+        id="cpu-whole-pages",
+        device="cpu",
+        metric="canonical_vs_limit",
+        threshold=(),
+        cases=Cases(kinds=("dense",), whole_pages=True, judge="first"),
+        text="reference: whole {fragment} pages in the same random order ({case}), i.e. the "
+        "cost of random pages without fragmentation",
+    ),
+    Goal(
+        id="cpu-expansion-vs-call",
+        device="cpu",
+        metric="expansion_vs_call",
+        threshold=(),
+        cases=Cases(section="blocks_sweep", judge="sweep"),
+        text="vLLM-style host expansion vs our whole call, N={blocks}, L={layers} "
+        "({descriptors} descriptors)",
+    ),
+    Goal(
+        id="cuda-enqueue-flat",
+        device="cuda",
+        metric="enqueue_vs_blocks",
+        threshold=(Bound("enqueue_s", "<", 50e-6, "µs"), Bound("spread", "<=", 1.5)),
+        cases=Cases(section="blocks_sweep", judge="sweep"),
+        text="canonical {direction} enqueue flat in N, < {limit[enqueue_s]} at {blocks} blocks",
+        per_direction=True,
+    ),
+    Goal(
+        id="cuda-vs-memcpy",
+        device="cuda",
+        metric="canonical_vs_limit",
+        threshold=(Bound("ratio", ">=", 0.9, "×"), Bound("sm_budget", "<=", 8)),
+        cases=Cases(skip_kinds=("dense-ref",), min_fragment=512, judge="worst"),
+        text="canonical {direction} ≥ {limit[ratio]} pinned cudaMemcpy at {sizes} fragments, "
+        "≤ {limit[sm_budget]} SMs (budget {sm_budget})",
+        per_direction=True,
+    ),
+    Goal(
+        id="cuda-vs-batch",
+        device="cuda",
+        metric="canonical_vs_vllm_batch",
+        threshold=(Bound("speedup", ">=", 5, "×"),),
+        cases=Cases(skip_kinds=("dense-ref",), min_fragment=256, max_fragment=512, judge="worst"),
+        text="canonical {direction} ≥ {limit[speedup]} vLLM-style cuMemcpyBatchAsync at {sizes}",
+        per_direction=True,
+    ),
+)
+
 
 METHOD_LABELS = {
     "limit": "contiguous limit",
@@ -88,129 +281,189 @@ def fragment_line(row: dict) -> str:
     return " | ".join(parts)
 
 
+HOST_LINE_KEYS = (
+    MethodKey("canonical", "store"),
+    MethodKey("canonical", "load"),
+    MethodKey("vllm_expand", "store"),
+    MethodKey("vllm_expand_loop", "store"),
+    MethodKey("vllm_batch", "store"),
+    MethodKey("uva_kernel", "store"),
+)
+
+
 def host_line(point: dict) -> str:
-    m = point["methods"]
+    times = point["methods"]
     parts = [f"N={point['blocks']:<6} L={point['layers']:<3} desc={point['descriptors']:<8}"]
-    for key in (
-        "canonical_store",
-        "canonical_load",
-        "vllm_expand_store",
-        "vllm_expand_loop_store",
-        "vllm_batch_store",
-        "uva_kernel_store",
-    ):
-        if key in m:
-            parts.append(f"{key} host {fmt_time(m[key]['host_s'])}")
+    for key in HOST_LINE_KEYS:
+        if key in times:
+            parts.append(f"{key.label} host {fmt_time(times[key]['host_s'])}")
     return " | ".join(parts)
 
 
-# ----------------------------------------------------------------------------- goals
+# ----------------------------------------------------------------------------- goals: evaluation
+
+
+@dataclass
+class Measurement:
+    """What a metric found on one case (or one sweep).
+
+    ``values`` are what the goal's bounds check; ``measured`` is the table's "measured"
+    cell; ``fields`` fill the goal's text.
+    """
+
+    values: dict[str, float]
+    measured: str
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+def _ratio(row: dict, direction: str, method: str = "canonical") -> float | None:
+    return row.get(direction, {}).get(method, {}).get("ratio")
+
+
+def _case_fields(row: dict) -> dict[str, object]:
+    return dict(case=row["case"], dest=_dest(row), fragment=fmt_bytes(row["fragment_bytes"]))
+
+
+def canonical_vs_limit(row: dict, direction: str | None) -> Measurement | None:
+    """Limit time / canonical time of one case (``ratio``).
+
+    With a direction: that direction's ratio; without: the lower of store and load.
+    """
+    if direction is not None:
+        ratio = _ratio(row, direction)
+        if ratio is None:
+            return None
+        return Measurement({"ratio": ratio}, f"{ratio:.2f}× ({row['case']})", _case_fields(row))
+    store, load = _ratio(row, "store"), _ratio(row, "load")
+    if store is None or load is None:
+        return None
+    return Measurement(
+        {"ratio": min(store, load)}, f"store {store:.2f}×, load {load:.2f}×", _case_fields(row)
+    )
+
+
+def canonical_vs_limit_with_pre_expanded(row: dict, direction: str | None) -> Measurement | None:
+    """:func:`canonical_vs_limit`, with the pre-expanded copy loop's ratios shown beside it
+    (the same copy with no expansion: how much of the gap the access pattern explains)."""
+    found = canonical_vs_limit(row, direction)
+    directions = DIRECTIONS if direction is None else (direction,)
+    pre = [_ratio(row, d, "pre_expanded") for d in directions]
+    if found is not None and None not in pre:
+        found.measured += f" (pre-expanded, same copy loop: {' / '.join(f'{r:.2f}×' for r in pre)})"
+    return found
+
+
+def canonical_vs_vllm_batch(row: dict, direction: str | None) -> Measurement | None:
+    """Canonical GB/s / vLLM-style cuMemcpyBatchAsync GB/s of one case (``speedup``)."""
+    ours = row.get(direction, {}).get("canonical", {})
+    theirs = row.get(direction, {}).get("vllm_batch", {})
+    if "gbps" not in ours or "gbps" not in theirs:
+        return None
+    speedup = ours["gbps"] / theirs["gbps"]
+    return Measurement({"speedup": speedup}, f"{speedup:.1f}× ({row['case']})", _case_fields(row))
+
+
+def enqueue_vs_blocks(points: list[dict], direction: str | None) -> Measurement | None:
+    """Canonical host enqueue time over the blocks sweep: the median at the most blocks
+    (``enqueue_s``) and how much it varies with N (``spread`` = max / min of the medians)."""
+    key = MethodKey("canonical", direction)
+    medians = [
+        (p["blocks"], p["methods"][key]["host_median_s"]) for p in points if key in p["methods"]
+    ]
+    if not medians:
+        return None
+    blocks, top = max(medians)
+    spread = max(v for _, v in medians) / min(v for _, v in medians)
+    return Measurement(
+        {"enqueue_s": top, "spread": spread},
+        f"{fmt_time(top)} at N={blocks} (median); max/min over N = {spread:.2f}",
+        dict(blocks=blocks),
+    )
+
+
+def expansion_vs_call(points: list[dict], direction: str | None) -> Measurement | None:
+    """At the most blocks: the vLLM-style host expansion alone (both forms) vs canonical
+    store's whole call including the copy (a reference figure: no values to bound)."""
+    if not points:
+        return None
+    point = max(points, key=lambda p: p["blocks"])
+    times = point["methods"]
+    expand, loop = MethodKey("vllm_expand", "store"), MethodKey("vllm_expand_loop", "store")
+    call = MethodKey("canonical", "store")
+    if not {expand, loop, call} <= times.keys():
+        return None
+    return Measurement(
+        {},
+        f"expansion alone {fmt_time(times[expand]['host_s'])} "
+        f"(per-layer loop {fmt_time(times[loop]['host_s'])}); "
+        f"canonical store incl. the copy {fmt_time(times[call]['time_s'])}",
+        dict(blocks=point["blocks"], layers=point["layers"], descriptors=point["descriptors"]),
+    )
+
+
+# Metric name (Goal.metric) -> metric(case or sweep points, direction or None).
+METRICS: dict[str, Callable[..., Measurement | None]] = {
+    "canonical_vs_limit": canonical_vs_limit,
+    "canonical_vs_limit_with_pre_expanded": canonical_vs_limit_with_pre_expanded,
+    "canonical_vs_vllm_batch": canonical_vs_vllm_batch,
+    "enqueue_vs_blocks": enqueue_vs_blocks,
+    "expansion_vs_call": expansion_vs_call,
+}
 
 
 def evaluate_goals(results: dict) -> list[dict]:
-    cuda = results["meta"]["device"] == "cuda"
-    rows = _rows(results)
-    goals: list[dict] = []
+    """Judge ``results`` against every goal of :data:`GOALS` for their device.
 
-    def ratio(row: dict, direction: str, method: str = "canonical") -> float | None:
-        entry = row.get(direction, {}).get(method, {})
-        return entry.get("ratio")
+    Parameters
+    ----------
+    results
+        In-memory results (see ``_results.py``).
 
-    if not cuda:
-        for size, need in ((4096, 0.85), (256, 0.5)):
-            for row in rows:
-                if row["fragment_bytes"] != size or row["kind"] not in ("sparse", "dense-ref"):
-                    continue
-                rs, rl = ratio(row, "store"), ratio(row, "load")
-                if rs is None or rl is None:
-                    continue
-                measured = f"store {rs:.2f}×, load {rl:.2f}×"
-                ps, pl = ratio(row, "store", "pre_expanded"), ratio(row, "load", "pre_expanded")
-                if ps is not None and pl is not None:
-                    measured += f" (pre-expanded, same copy loop: {ps:.2f}× / {pl:.2f}×)"
-                goals.append(dict(
-                    goal=f"canonical ≥ {need}× limit at {fmt_bytes(size)} "
-                    f"({_dest(row)}: {row['case']})",
-                    measured=measured,
-                    met=min(rs, rl) >= need,
-                ))  # fmt: skip
-        whole = [r for r in rows if r["kind"] == "dense" and r["fragments_per_block"] == 1]
-        for row in whole[:1]:
-            rs, rl = ratio(row, "store"), ratio(row, "load")
-            if rs is not None and rl is not None:
-                goals.append(dict(
-                    goal=f"reference: whole {fmt_bytes(row['fragment_bytes'])} pages in the same "
-                    f"random order ({row['case']}), i.e. the cost of random pages without "
-                    "fragmentation",
-                    measured=f"store {rs:.2f}×, load {rl:.2f}×",
-                    met=None,
-                ))  # fmt: skip
-        sweep = results.get("blocks_sweep", [])
-        if sweep:
-            p = max(sweep, key=lambda q: q["blocks"])
-            m = p["methods"]
-            if "vllm_expand_store" in m and "canonical_store" in m:
-                goals.append(dict(
-                    goal=f"vLLM-style host expansion vs our whole call, N={p['blocks']}, "
-                    f"L={p['layers']} ({p['descriptors']} descriptors)",
-                    measured=f"expansion alone {fmt_time(m['vllm_expand_store']['host_s'])} "
-                    f"(per-layer loop {fmt_time(m['vllm_expand_loop_store']['host_s'])}); "
-                    f"canonical store incl. the copy {fmt_time(m['canonical_store']['time_s'])}",
-                    met=None,
-                ))  # fmt: skip
-        return goals
-
-    sweep = results.get("blocks_sweep", [])
-    if sweep:
-        for direction in ("store", "load"):
-            key = f"canonical_{direction}"
-            values = [
-                (p["blocks"], p["methods"][key]["host_median_s"])
-                for p in sweep
-                if key in p["methods"]
-            ]
-            if not values:
-                continue
-            top = max(values)[1]
-            spread = max(v for _, v in values) / min(v for _, v in values)
-            goals.append(dict(
-                goal=f"canonical {direction} enqueue flat in N, < 50 µs at "
-                f"{max(values)[0]} blocks",
-                measured=f"{fmt_time(top)} at N={max(values)[0]} (median); "
-                f"max/min over N = {spread:.2f}",
-                met=top < 50e-6 and spread <= 1.5,
-            ))  # fmt: skip
-    sms = results["meta"].get("sm_budget")
-    for direction in ("store", "load"):
-        big = [
-            (r, ratio(r, direction))
-            for r in rows
-            if r["fragment_bytes"] >= 512 and r["kind"] != "dense-ref"
-        ]
-        big = [(r, v) for r, v in big if v is not None]
-        if big:
-            worst_row, worst = min(big, key=lambda x: x[1])
-            goals.append(dict(
-                goal=f"canonical {direction} ≥ 0.9× pinned cudaMemcpy at ≥ 512 B fragments, "
-                f"≤ 8 SMs (budget {sms})",
-                measured=f"worst {worst:.2f}× ({worst_row['case']})",
-                met=worst >= 0.9 and (sms or 0) <= 8,
-            ))  # fmt: skip
-        small = []
-        for r in rows:
-            if not 256 <= r["fragment_bytes"] <= 512 or r["kind"] == "dense-ref":
-                continue
-            ours, theirs = r[direction].get("canonical", {}), r[direction].get("vllm_batch", {})
-            if "gbps" in ours and "gbps" in theirs:
-                small.append((r, ours["gbps"] / theirs["gbps"]))
-        if small:
-            worst_row, worst = min(small, key=lambda x: x[1])
-            goals.append(dict(
-                goal=f"canonical {direction} ≥ 5× vLLM-style cuMemcpyBatchAsync at 256-512 B",
-                measured=f"worst {worst:.1f}× ({worst_row['case']})",
-                met=worst >= 5,
-            ))  # fmt: skip
-    return goals
+    Returns
+    -------
+    list of dict
+        One row per verdict, in table order: ``id``, ``goal`` (its text), ``measured`` and
+        ``met`` (True / False; None for a reference figure without a bound). A goal whose
+        cases are missing from the results gives no row.
+    """
+    meta = results["meta"]
+    sm_budget = meta.get("sm_budget")
+    rows: list[dict] = []
+    for goal in GOALS:
+        if goal.device != meta["device"]:
+            continue
+        cases = goal.cases.select(results)
+        if goal.cases.judge == "first":
+            cases = cases[:1]
+        metric = METRICS[goal.metric]
+        for direction in DIRECTIONS if goal.per_direction else (None,):
+            if goal.cases.judge == "sweep":
+                found = [metric(cases, direction)] if cases else []
+            else:
+                found = [metric(case, direction) for case in cases]
+            found = [m for m in found if m is not None]
+            if goal.cases.judge == "worst" and found:
+                first = goal.threshold[0]
+                worst = max(found, key=lambda m: first.shortfall(m.values[first.value]))
+                worst.measured = f"worst {worst.measured}"
+                found = [worst]
+            for m in found:
+                # A run without an SM budget (CPU) has none to exceed: it counts as 0.
+                values = dict(m.values, sm_budget=sm_budget or 0)
+                text = goal.text.format(
+                    limit={b.value: b for b in goal.threshold},
+                    direction=direction,
+                    sizes=goal.cases.sizes,
+                    sm_budget=sm_budget,
+                    **m.fields,
+                )
+                met = (
+                    all(b.holds(values[b.value]) for b in goal.threshold)
+                    if goal.threshold
+                    else None
+                )
+                rows.append(dict(id=goal.id, goal=text, measured=m.measured, met=met))
+    return rows
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -286,15 +539,9 @@ def render_markdown(results: dict) -> str:
         ]
         for p in sm:
             cells = [
-                p.get(k, {}).get("gbps")
-                for k in (
-                    "canonical_store",
-                    "canonical_load",
-                    "uva_kernel_store",
-                    "uva_kernel_load",
-                    "limit_store",
-                    "limit_load",
-                )
+                p["methods"].get(MethodKey(method, direction), {}).get("gbps")
+                for method in ("canonical", "uva_kernel", "limit")
+                for direction in DIRECTIONS
             ]
             lines.append(
                 f"| {p['case']} | {p['sm_budget']} | "
@@ -307,8 +554,8 @@ def render_markdown(results: dict) -> str:
     if ver:
         lines += ["## Byte-exactness (each method vs canonical_ops, small cases)", ""]
         for case, checks in ver.items():
-            bad = {k: v for k, v in checks.items() if v != "ok"}
-            ok = sorted(k for k, v in checks.items() if v == "ok")
+            bad = {str(k): v for k, v in checks.items() if v != "ok"}
+            ok = sorted(str(k) for k, v in checks.items() if v == "ok")
             lines.append(
                 f"- {case}: "
                 + (f"ok ({', '.join(ok)})" if not bad else f"**{bad}**; ok: {', '.join(ok)}")
@@ -386,8 +633,9 @@ def _sorted(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (order.get(r["kind"], 3), r["fragment_bytes"], r["case"]))
 
 
-def _t(point: dict, key: str, field: str = "host_s") -> str:
-    return fmt_time(point["methods"].get(key, {}).get(field))
+def _time_cell(point: dict, method: str, direction: str, quantity: str = "host_s") -> str:
+    """One time of a sweep point as a table cell ("-" when the method was not measured)."""
+    return fmt_time(point["methods"].get(MethodKey(method, direction), {}).get(quantity))
 
 
 def _cpu_host_table(points: list[dict], var: str) -> list[str]:
@@ -398,11 +646,13 @@ def _cpu_host_table(points: list[dict], var: str) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
-        out.append(
-            f"| {p[var]} | {p['descriptors']} | {p['bytes'] / 2**20:.2f} | "
-            f"{_t(p, 'vllm_expand_store')} | {_t(p, 'vllm_expand_loop_store')} | "
-            f"{_t(p, 'canonical_store', 'time_s')} | {_t(p, 'canonical_load', 'time_s')} |"
-        )
+        cells = [
+            _time_cell(p, "vllm_expand", "store"),
+            _time_cell(p, "vllm_expand_loop", "store"),
+            _time_cell(p, "canonical", "store", "time_s"),
+            _time_cell(p, "canonical", "load", "time_s"),
+        ]
+        out.append(_host_row(p, var, cells))
     return out
 
 
@@ -414,17 +664,27 @@ def _cuda_host_table(points: list[dict], var: str) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
-        out.append(
-            f"| {p[var]} | {p['descriptors']} | {p['bytes'] / 2**20:.2f} | "
-            f"{_t(p, 'canonical_store')} / {_t(p, 'canonical_load')} "
-            f"({_t(p, 'canonical_store', 'host_median_s')} / "
-            f"{_t(p, 'canonical_load', 'host_median_s')}) | "
-            f"{_t(p, 'canonical_store', 'time_s')} / {_t(p, 'canonical_load', 'time_s')} | "
-            f"{_t(p, 'vllm_expand_store')} | {_t(p, 'vllm_batch_store')} | "
-            f"{_t(p, 'vllm_batch_store', 'time_s')} | {_t(p, 'uva_kernel_store')} | "
-            f"{_t(p, 'limit_store', 'time_s')} |"
-        )
+
+        def both(quantity: str, p: dict = p) -> str:
+            return " / ".join(_time_cell(p, "canonical", d, quantity) for d in DIRECTIONS)
+
+        cells = [
+            f"{both('host_s')} ({both('host_median_s')})",
+            both("time_s"),
+            _time_cell(p, "vllm_expand", "store"),
+            _time_cell(p, "vllm_batch", "store"),
+            _time_cell(p, "vllm_batch", "store", "time_s"),
+            _time_cell(p, "uva_kernel", "store"),
+            _time_cell(p, "limit", "store", "time_s"),
+        ]
+        out.append(_host_row(p, var, cells))
     return out
+
+
+def _host_row(point: dict, var: str, cells: list[str]) -> str:
+    """A sweep point's table row: the swept value, descriptors, MiB, then ``cells``."""
+    head = [str(point[var]), str(point["descriptors"]), f"{point['bytes'] / 2**20:.2f}"]
+    return "| " + " | ".join(head + cells) + " |"
 
 
 def _notes(cuda: bool) -> list[str]:
@@ -479,7 +739,7 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     except ImportError:
         print(
             "[plot] matplotlib not installed: PNG plots skipped "
-            "(re-render later with python bench/plot.py RESULTS.json)"
+            "(re-render later with python bench/report.py RESULTS.json)"
         )
         return []
     out = Path(out)
@@ -571,24 +831,26 @@ def _plot_fragments(plt, results: dict, rows: list[dict], path: Path) -> None:
 def _plot_host(plt, results: dict, points: list[dict], var: str, path: Path) -> None:
     meta = results["meta"]
     cuda = meta["device"] == "cuda"
+    store, load = DIRECTIONS
     series = [
-        ("vllm_expand_store", "host_s", "vLLM-style expansion (one broadcast)", "C3", "--"),
-        ("vllm_expand_loop_store", "host_s", "vLLM-style expansion (per-layer loop)", "C1", "--"),
+        ("vllm_expand", store, "host_s", "vLLM-style expansion (one broadcast)", "C3", "--"),
+        ("vllm_expand_loop", store, "host_s", "vLLM-style expansion (per-layer loop)", "C1", "--"),
     ]
     if cuda:
         series += [
-            ("vllm_batch_store", "host_s", "vLLM-style expansion + cuMemcpyBatchAsync", "C3", "-"),
-            ("uva_kernel_store", "host_s", "expansion + UVA kernel enqueue", "C4", "-"),
-            ("canonical_store", "host_s", "canonical store enqueue", "C0", "-"),
-            ("canonical_load", "host_s", "canonical load enqueue", "C9", "-"),
+            ("vllm_batch", store, "host_s", "vLLM-style expansion + cuMemcpyBatchAsync", "C3", "-"),
+            ("uva_kernel", store, "host_s", "expansion + UVA kernel enqueue", "C4", "-"),
+            ("canonical", store, "host_s", "canonical store enqueue", "C0", "-"),
+            ("canonical", load, "host_s", "canonical load enqueue", "C9", "-"),
         ]
     else:
         series += [
-            ("canonical_store", "time_s", "canonical store, whole call (incl. copy)", "C0", "-"),
-            ("canonical_load", "time_s", "canonical load, whole call (incl. copy)", "C9", "-"),
+            ("canonical", store, "time_s", "canonical store, whole call (incl. copy)", "C0", "-"),
+            ("canonical", load, "time_s", "canonical load, whole call (incl. copy)", "C9", "-"),
         ]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for key, fieldname, label, color, ls in series:
+    for method, direction, fieldname, label, color, ls in series:
+        key = MethodKey(method, direction)
         pts = [(p[var], p["methods"][key][fieldname]) for p in points if key in p["methods"]]
         if pts:
             xs, ys = zip(*pts)
@@ -614,7 +876,7 @@ def main() -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results = json.loads(args.results.read_text())
+    results = results_from_json(json.loads(args.results.read_text()))
     out = args.out or args.results.parent
     out.mkdir(parents=True, exist_ok=True)
     results["goals"] = evaluate_goals(results)
