@@ -57,7 +57,8 @@ bench: install
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'kernels/*.cpp' 'kernels/*.h' 'kernels/*.cu' 'kernels/*.cuh')
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'kernels/*.cpp' 'kernels/*.h' 'kernels/*.cu' 'kernels/*.cuh' \
+	  'bench/*.c' 'bench/*.cpp' 'bench/*.cu')
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

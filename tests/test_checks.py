@@ -83,7 +83,7 @@ def test_ops_wrappers_refuse_float_and_bool_ids():
     pages = torch.zeros(4, mapping.canonical_page_size_bytes, dtype=torch.uint8)
     plan = canonical_ops.make_plan([mapping], kv, pages)
     for blocks, page_ids in (([1.9], [0]), ([1], [0.7]), (["3"], [0]), ([True], [0])):
-        with pytest.raises(TypeError, match="block_ids|page_ids"):
+        with pytest.raises(TypeError, match=r"block_ids|page_ids"):
             canonical_ops.store(kv, pages, plan, blocks, page_ids)
     assert not pages.any()
     with pytest.raises(TypeError, match="pages_per_row"):

@@ -1,5 +1,5 @@
 // Device-side fragment copy shared by the fused kernel and the benchmark's
-// descriptor-driven baseline kernel (bench/_baselines.py), so the two differ
+// descriptor-driven baseline kernel (bench/shims/cuda_baselines.cu), so the two differ
 // only in where their addresses come from. Header-only, CUDA only.
 #pragma once
 

@@ -1,6 +1,6 @@
 // The CPU kernel's fragment copy and load prefetch. Header-only and free of
 // torch so that the benchmark's descriptor-driven CPU baseline
-// (bench/_baselines.py, CpuShim) runs exactly this copy: that baseline then
+// (bench/shims/cpu_descriptor_copy.cpp) runs exactly this copy: that baseline then
 // differs from canonical_store / canonical_load only by having no expansion.
 #pragma once
 
