@@ -708,8 +708,10 @@ def run_group(
                     )
                     last = now
     finally:
+        grace = time.perf_counter() + 5.0  # for all of them together, then kill the rest
         for p in procs.values():
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, grace - time.perf_counter()))
+        for p in procs.values():
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -1009,9 +1011,10 @@ def run_demo(s: Session, err: TextIO) -> dict:
     finally:
         region.close()
     verification = verify(cfg, writers, ready, readers)
-    for run in (writers, readers):
+    for run in (writers, readers):  # tracebacks in full (the FAIL lines quote their last line)
         for rank, error in sorted(run.errors.items()) if run else ():
-            print(f"{run.role} rank {rank} failed:\n{error}", file=err, flush=True)
+            if "\n" in error.strip():
+                print(f"{run.role} rank {rank}: {error.rstrip()}", file=err, flush=True)
     return summarize(s, writers, ready, readers, verification)
 
 
