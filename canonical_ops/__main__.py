@@ -1,26 +1,46 @@
-"""Command line of canonical_ops: `python -m canonical_ops demo [...]`."""
+"""Command line of canonical_ops: `python -m canonical_ops demo [...]`.
+
+A usage error is one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+
+PROG = "python -m canonical_ops"
+USAGE = (
+    f"usage: {PROG} demo [--help] [flags]\n\n"
+    "commands:\n"
+    "  demo   TP=4 writers store a prompt's KV in canonical pages, TP=2 readers load it and\n"
+    "         verify it bit for bit against the unsharded truth (`demo --help`: flags, presets)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: python -m canonical_ops demo [--help]\n\n"
-            "  demo   TP=4 writers store a prompt's KV in canonical pages, TP=2 readers load "
-            "and verify it"
-        )
-        return 0 if argv else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not argv:
+        print(f"{PROG}: error: a command is required: demo (see --help)", file=sys.stderr)
+        return 2
     if argv[0] == "demo":
         from .frontend.demo import main as demo_main
 
         return demo_main(argv[1:])
-    print(f"unknown command {argv[0]!r}; try `python -m canonical_ops --help`", file=sys.stderr)
+    print(f"{PROG}: error: unknown command {argv[0]!r}; try `{PROG} --help`", file=sys.stderr)
     return 2
 
 
+def run() -> int:
+    """``main`` for the console: a reader that stops reading (``| head``) is no error."""
+    try:
+        return main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

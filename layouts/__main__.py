@@ -1,44 +1,165 @@
-"""`python -m layouts explain ...`: which rank writes which bytes of a canonical page."""
+"""`python -m layouts explain ...`: which rank writes which bytes of a canonical page.
+
+Every argument is checked before any work: a user error is one line on stderr and
+exit status 2, never a traceback. Topologies are bounded (at most ``MAX_RANKS``
+ranks, at most ``MAX_FRAGMENTS`` copy fragments to derive), so an answer takes
+seconds, not minutes. A topology vLLM would not certify is still explained: the
+report says why it falls back to the opaque layout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 
-from .explain import explain
-from .spec import LayerSpec
+from .explain import CliParser, explain, int_in, lower, upper
+from .spec import ATTENTION_KINDS, ORDERS, PACKINGS, LayerSpec, dtype_name
+
+MAX_RANKS = 1024  # TP x PCP: more ranks than any deployment, and explained in ~1 s
+MAX_FRAGMENTS = 1 << 18  # copy fragments of all ranks (~3 s to derive and verify)
+MAX_HEADS = 1024
+MAX_HEAD_SIZE = 1 << 16
+MAX_BLOCK_SIZE = 1 << 16
+MAX_WIDTH = 1024
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layouts")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("explain", help="picture one canonical page of one layer")
-    p.add_argument("--attention", choices=["full", "mla"], default="full")
-    p.add_argument(
-        "--total-kv-heads", type=int, default=8, help="KV heads of the model (1 for MLA)"
+def dtype_arg(text: str) -> str:
+    """argparse ``type``: a KV cache dtype name or alias, case-insensitive."""
+    try:
+        return dtype_name(text.lower())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("dtype: ")) from None
+
+
+def estimated_fragments(args, heads_per_rank: int) -> int:
+    """Upper bound of the copy fragments ``derive_group_mappings`` builds for the group.
+
+    One region per (K/V half, head) that is not contiguous across tokens; with
+    context parallelism one fragment per chunk of ``interleave`` tokens of each.
+    """
+    if args.attention == "mla" or (args.packing == "packed" and args.order == "NHD"):
+        regions = 1
+    elif args.packing == "packed":
+        regions = heads_per_rank
+    else:
+        regions = 2 * (heads_per_rank if args.order == "HND" else 1)
+    chunks = 1 if args.dcp * args.pcp == 1 else -(-args.block_size // args.interleave)
+    return args.tp * args.pcp * regions * chunks
+
+
+def build_parser() -> tuple[CliParser, CliParser]:
+    """The top-level parser and its ``explain`` subparser."""
+    parser = CliParser(
+        prog="python -m layouts",
+        description="Canonical KV page layouts (format v1). `explain --help` for its flags.",
     )
-    p.add_argument("--head-size", type=int, default=128, help="elements per head / latent width")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block on each rank")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--packing", choices=["packed", "split"], default="packed")
-    p.add_argument("--order", choices=["NHD", "HND"], default="NHD")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dcp", type=int, default=1)
-    p.add_argument("--pcp", type=int, default=1)
-    p.add_argument("--interleave", type=int, default=1)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{explain}")
+    p = sub.add_parser(
+        "explain",
+        help="picture one canonical page of one layer",
+        description=textwrap.fill(
+            "Which rank of a TP x PCP group (DCP inside TP) writes which bytes of one "
+            "canonical page of one layer, whether the layout is certified (parallelism "
+            f"agnostic) and, if not, why. Choices are case-insensitive. At most {MAX_RANKS} "
+            f"ranks (TP x PCP) and {MAX_FRAGMENTS} copy fragments are explained.",
+            width=88,
+        ),
+    )
+    p.add_argument(
+        "--attention",
+        type=lower,
+        choices=ATTENTION_KINDS,
+        default="full",
+        help="full attention (K and V per head) or MLA (one latent per token)",
+    )
+    p.add_argument(
+        "--total-kv-heads",
+        type=int_in(1, MAX_HEADS),
+        default=None,
+        help="KV heads of the model (default: 8 for full attention, 1 for MLA)",
+    )
+    p.add_argument(
+        "--head-size",
+        type=int_in(1, MAX_HEAD_SIZE),
+        default=128,
+        help="elements per head / latent width",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int_in(1, MAX_BLOCK_SIZE),
+        default=16,
+        help="tokens per block on each rank",
+    )
+    p.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default="bfloat16",
+        help="KV cache dtype (float32, float16, bfloat16, float8_e4m3fn, ..., or bf16, fp8, ...)",
+    )
+    p.add_argument("--packing", type=lower, choices=PACKINGS, default="packed", help="page packing")
+    p.add_argument("--order", type=upper, choices=ORDERS, default="NHD", help="stride order")
+    p.add_argument("--tp", type=int_in(1, MAX_RANKS), default=1, help="tensor parallel size")
+    p.add_argument(
+        "--dcp", type=int_in(1, MAX_RANKS), default=1, help="decode context parallel size"
+    )
+    p.add_argument(
+        "--pcp", type=int_in(1, MAX_RANKS), default=1, help="prefill context parallel size"
+    )
+    p.add_argument(
+        "--interleave",
+        type=int_in(1, MAX_BLOCK_SIZE),
+        default=1,
+        help="tokens per context-parallel chunk",
+    )
     p.add_argument(
         "--heads-per-rank",
-        type=int,
+        type=int_in(1, MAX_HEADS),
         default=None,
         help="override (default: max(1, total // tp)); a wrong value fails closed",
     )
-    p.add_argument("--per-token-head-scales", action="store_true")
-    p.add_argument("--page-id", type=int, default=0, help="which page (writer rotation)")
-    p.add_argument("--width", type=int, default=64, help="columns of the picture")
+    p.add_argument(
+        "--per-token-head-scales",
+        action="store_true",
+        help="quantised with per-(token, head) scales (never certified)",
+    )
+    p.add_argument(
+        "--page-id",
+        type=int_in(0, (1 << 63) - 1),
+        default=0,
+        help="which page (writer rotation)",
+    )
+    p.add_argument("--width", type=int_in(1, MAX_WIDTH), default=64, help="columns of the picture")
+    return parser, p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, explain_parser = build_parser()
     args = parser.parse_args(argv)
 
-    total = 1 if args.attention == "mla" else args.total_kv_heads
+    if args.attention == "mla":
+        if args.total_kv_heads not in (None, 1):
+            explain_parser.fail(
+                f"argument --total-kv-heads: MLA has one latent (1 KV head), got "
+                f"{args.total_kv_heads}"
+            )
+        total = 1
+    else:
+        total = 8 if args.total_kv_heads is None else args.total_kv_heads
+    ranks = args.tp * args.pcp
+    if ranks > MAX_RANKS:
+        explain_parser.fail(
+            f"--tp {args.tp} x --pcp {args.pcp} = {ranks} ranks; at most {MAX_RANKS} are explained"
+        )
     heads = args.heads_per_rank or (1 if args.attention == "mla" else max(1, total // args.tp))
+    fragments = estimated_fragments(args, heads)
+    if fragments > MAX_FRAGMENTS:
+        explain_parser.fail(
+            f"this topology has up to {fragments} copy fragments over its {ranks} ranks "
+            f"(at most {MAX_FRAGMENTS} are explained): use fewer ranks, a smaller "
+            f"--block-size or a larger --interleave"
+        )
     try:
         spec = LayerSpec(
             args.attention,
@@ -57,12 +178,21 @@ def main(argv: list[str] | None = None) -> int:
             pcp_size=args.pcp,
             interleave=args.interleave,
         )
-        print(explain(spec, ctx, page_id=args.page_id, width=args.width))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        text = explain(spec, ctx, page_id=args.page_id, width=args.width)
+    except ValueError as error:  # LayerSpec / RankContext / TilingError: one line
+        explain_parser.fail(str(error))
+    print(text)
     return 0
 
 
+def run() -> int:
+    """``main`` for the console: a reader that stops reading (``| head``) is no error."""
+    try:
+        return main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,0 +1,375 @@
+"""`python -m canonical_ops demo`, run as a subprocess from the repository root, and the
+README's ops quickstart.
+
+A user error is exit status 2 with exactly one line on stderr, answered before any
+work (a topology the model cannot have, a GPU that is not there, a region /dev/shm
+cannot hold). The verdict is true: PASS only when every prompt page was loaded and
+every head, token and layer is bit-exact; a reader set that misses heads, or a byte
+that differs, FAILs and says so. Long phases print progress; ``--json`` prints one
+object on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from canonical_ops.frontend import demo
+from layouts import LayerSpec, RankContext, certification_failure
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "tiny", "--prompt-tokens", "32"]
+
+
+def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "canonical_ops", "demo", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_usage_error(result: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit 2, nothing on stdout, one line on stderr naming ``words``; returns that line."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert result.stdout == ""
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------ item 10: bad input
+
+BAD_INPUTS = [
+    (["--writer-tp", "0"], ["--writer-tp"]),
+    (["--reader-tp", "-2"], ["--reader-tp"]),
+    (["--writer-tp", "1.5"], ["--writer-tp", "'1.5'"]),
+    (["--writer-tp", "100000"], ["--writer-tp"]),
+    (["--layers", "0"], ["--layers"]),
+    (["--layers", "2.5"], ["--layers"]),
+    (["--prompt-tokens", "0"], ["--prompt-tokens"]),
+    (["--prompt-tokens", "1e9"], ["--prompt-tokens"]),
+    (["--prompt-tokens", "1000000000"], ["--prompt-tokens", "1000000000"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--timeout", "-5"], ["--timeout"]),
+    (["--timeout", "nan"], ["--timeout"]),
+    (["--seed", "-1"], ["--seed"]),
+    (["--preset", "gpt-5"], ["--preset", "gpt-5"]),
+    (["--order", "NDH"], ["--order"]),
+    (["--packing", "interleaved"], ["--packing"]),
+    (["--device", "tpu"], ["--device"]),
+    (["--no-such-flag"], ["--no-such-flag"]),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(args, words):
+    assert_usage_error(run_demo(*TINY, *args), *words)
+
+
+def test_missing_or_unknown_command_is_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "canonical_ops"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert_usage_error(result, "demo")
+    result = subprocess.run(
+        [sys.executable, "-m", "canonical_ops", "dmeo"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert_usage_error(result, "dmeo")
+
+
+def test_choices_are_case_insensitive():
+    # Parsed (the topology, checked next, is what is refused), not "invalid choice".
+    line = assert_usage_error(
+        run_demo(
+            "--preset",
+            "TINY",
+            "--order",
+            "nhd",
+            "--packing",
+            "SPLIT",
+            "--device",
+            "CPU",
+            "--writer-tp",
+            "5",
+        ),
+        "--writer-tp 5",
+    )
+    assert "invalid choice" not in line
+    line = assert_usage_error(run_demo("--preset", "DeepSeek-V3", "--writer-tp", "65"))
+    assert "invalid choice" not in line and "--writer-tp" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_without_gpu_is_refused_in_the_parent():
+    start = time.monotonic()
+    assert_usage_error(run_demo(*TINY, "--device", "cuda"), "--device cuda", "no CUDA GPU")
+    assert time.monotonic() - start < 60
+
+
+def test_region_larger_than_dev_shm_is_refused_before_any_work():
+    start = time.monotonic()
+    line = assert_usage_error(
+        run_demo("--preset", "llama3-70b", "--prompt-tokens", "16777216", "--device", "cpu"),
+        "/dev/shm",
+        "GiB",
+    )
+    assert "--prompt-tokens" in line
+    assert time.monotonic() - start < 60  # not minutes of page bookkeeping
+
+
+# --------------------------------------------------------------------- item 11: a true verdict
+
+
+@pytest.mark.parametrize(
+    ("writer_tp", "reader_tp", "refused"),
+    [
+        ("3", "2", "--writer-tp 3"),  # used to print only "canonical pages differ in size"
+        ("6", "3", "--writer-tp 6"),  # used to print "verified: ... bit-exact", then FAIL
+        ("3", "3", "--writer-tp 3"),  # used to PASS with heads 6-7 held by no rank
+        ("4", "5", "--reader-tp 5"),
+        ("16", "12", "--reader-tp 12"),
+    ],
+)
+def test_topology_the_model_cannot_have_is_refused_with_the_reason(writer_tp, reader_tp, refused):
+    line = assert_usage_error(
+        run_demo(*TINY, "--writer-tp", writer_tp, "--reader-tp", reader_tp), refused
+    )
+    assert "8 KV heads" in line and "vLLM requires" in line
+    tp = int(refused.split()[-1])
+    spec = LayerSpec("full", 16, max(1, 8 // tp), 64, "float16", "packed", "NHD")
+    reason = certification_failure(spec, RankContext(tp, 8, 0))
+    assert reason and f"certification: {reason}" in line
+
+
+def config(writer_tp=4, reader_tp=2, **overrides) -> demo.DemoConfig:
+    fields = dict(
+        attention="full",
+        layers=2,
+        total_kv_heads=8,
+        head_size=8,
+        dtype="float16",
+        block_size=4,
+        packing="packed",
+        order="NHD",
+        writer_tp=writer_tp,
+        reader_tp=reader_tp,
+        prompt_blocks=3,
+        device="cpu",
+        preset="tiny",
+    )
+    fields.update(overrides)
+    return demo.DemoConfig(**fields)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize(("packing", "order"), [("packed", "NHD"), ("split", "HND")])
+def test_reader_ranks_together_hold_every_head(tp, packing, order):
+    cfg = config(packing=packing, order=order)
+    held = [cfg.global_heads(tp, rank) for rank in range(tp)]
+    assert sorted({h for heads in held for h in heads}) == list(range(8))
+    assert all(len(heads) == cfg.spec(tp).num_kv_heads for heads in held)
+
+
+def reader_report(cfg: demo.DemoConfig, tp: int, rank: int, corrupt: bool = False) -> dict:
+    """What a reader rank reports, from real caches filled from the truth."""
+    kv = demo.allocate_kv(cfg, tp, torch.device("cpu"))
+    blocks = demo.block_table(cfg, salt=2)
+    for layer in range(cfg.layers):
+        kv[layer][blocks] = demo.shard_of(cfg, demo.truth_layer(cfg, layer), tp, rank)
+    if corrupt:
+        block = kv[1][int(blocks[2])]  # a view: the write lands in the cache
+        block[(0,) * (block.dim() - 1) + (5,)] ^= 0x0101  # both bytes of one element, layer 1
+    check = demo.compare_with_truth(cfg, tp, rank, kv, blocks)
+    return dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0, copy_seconds=1.0, **check)
+
+
+def good_writers(cfg: demo.DemoConfig) -> demo.GroupRun:
+    report = dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0, copy_seconds=1.0)
+    return demo.GroupRun("writer", cfg.writer_tp, {r: report for r in range(cfg.writer_tp)})
+
+
+@pytest.mark.parametrize(
+    ("packing", "order", "attention", "heads", "head_size"),
+    [
+        ("packed", "NHD", "full", 8, 8),
+        ("split", "HND", "full", 8, 8),
+        ("packed", "HND", "full", 2, 8),
+        ("packed", "NHD", "mla", 1, 24),
+    ],
+)
+def test_verify_passes_only_bit_exact_full_coverage(packing, order, attention, heads, head_size):
+    cfg = config(
+        packing=packing,
+        order=order,
+        attention=attention,
+        total_kv_heads=heads,
+        head_size=head_size,
+        reader_tp=4,
+    )
+    reports = {rank: reader_report(cfg, 4, rank) for rank in range(4)}
+    good = demo.verify(cfg, good_writers(cfg), 3, demo.GroupRun("reader", 4, reports))
+    assert good.failures == [] and good.bytes_wrong == 0
+    assert (good.pages_loaded, good.pages_missed) == (3, 0)
+    assert (
+        good.bytes_checked
+        == 4
+        * cfg.layers
+        * 3
+        * cfg.block_size
+        * len(cfg.global_heads(4, 0))
+        * (head_size if attention == "mla" else 2 * head_size)
+        * 2
+    )
+
+    reports[2] = reader_report(cfg, 4, 2, corrupt=True)
+    bad = demo.verify(cfg, good_writers(cfg), 3, demo.GroupRun("reader", 4, reports))
+    assert bad.bytes_wrong == 2
+    assert any("reader rank 2: layers [1] differ" in f for f in bad.failures), bad.failures
+
+
+def test_verify_fails_when_heads_are_held_by_no_reader():
+    """The old demo's TP=3 readers held heads 0-5 only and still printed PASS."""
+    cfg = config(reader_tp=4)
+    reports = {rank: reader_report(cfg, 4, rank) for rank in range(3)}  # rank 3 (heads 6-7) lost
+    readers = demo.GroupRun("reader", 3, reports)  # as if the group had 3 ranks
+    result = demo.verify(cfg, good_writers(cfg), 3, readers)
+    assert result.bytes_wrong == 0
+    assert any("KV heads [6, 7] were held by no reader rank" in f for f in result.failures)
+
+
+def test_verify_fails_on_missing_pages_and_failed_ranks():
+    cfg = config(reader_tp=2)
+    reports = {rank: reader_report(cfg, 2, rank) for rank in range(2)}
+    for report in reports.values():
+        report["pages"] = report["blocks"] = 2  # only 2 of the 3 pages were ready
+    writers = good_writers(cfg)
+    writers.errors[1] = "Traceback ...\nRuntimeError: boom"
+    result = demo.verify(cfg, writers, 2, demo.GroupRun("reader", 2, reports))
+    assert (result.pages_loaded, result.pages_missed) == (2, 1)
+    assert "writer rank 1 failed: RuntimeError: boom" in result.failures
+    assert any("only 2/3 prompt pages became ready" in f for f in result.failures)
+
+    readers = demo.GroupRun("reader", 2, {0: reports[0]}, {1: "no report within --timeout 1 s"})
+    result = demo.verify(cfg, good_writers(cfg), 3, readers)
+    assert result.pages_loaded == 0 and result.pages_missed == 3
+    assert "reader rank 1 failed: no report within --timeout 1 s" in result.failures
+
+
+# ------------------------------------------------------- item 12: progress, --json, --help
+
+
+def test_help_shows_defaults_and_presets():
+    result = run_demo("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for name, preset in demo.PRESETS.items():
+        assert f"{name} {preset.describe()}" in text, name
+    assert "llama3-8b full attention, 32 layers, 8 KV heads x 128, bfloat16, block 16" in text
+    assert "deepseek-v3 mla attention, 61 layers, 1 latent x 576, bfloat16, block 64" in text
+    for default in ("(default: 4)", "(default: 2)", "(default: 2048)", "(default: llama3-8b)"):
+        assert default in text, default
+
+
+PROGRESS = re.compile(r"^\[\s*\d+\.\d s\] ", re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_cross_topology_json_run_passes():
+    """Replicated heads (TP=16 over 8 heads) stored, read by TP=2, split HND; one JSON object."""
+    result = run_demo(
+        *TINY,
+        "--writer-tp",
+        "16",
+        "--reader-tp",
+        "2",
+        "--packing",
+        "split",
+        "--order",
+        "hnd",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)  # the whole of stdout is one object
+    assert summary["verdict"] == "PASS" and summary["failures"] == []
+    assert (summary["pages_loaded"], summary["pages_missed"], summary["bytes_wrong"]) == (2, 0, 0)
+    assert summary["pages_total"] == summary["pages_ready"] == 2
+    assert summary["bytes_checked"] == 2 * 4 * 2 * 16 * 8 * 128  # readers x layers x pages ...
+    assert summary["topology"] == dict(
+        writer_tp=16,
+        reader_tp=2,
+        device="cpu",
+        format_id="v1-hnd",
+        parallelism_agnostic=True,
+    )
+    assert summary["model"]["packing"] == "split" and summary["model"]["layers"] == 4
+    for kind in ("store", "load"):
+        assert summary[kind]["bytes"] > 0 and summary[kind]["gbps"] > 0
+    timings = summary["timings_s"]
+    assert set(timings) == {"spawn_writers", "store", "spawn_readers", "load", "verify", "total"}
+    assert all(v is not None and v >= 0 for v in timings.values())
+    # Progress and the human report went to stderr.
+    for phase in (
+        "writers: spawning 16",
+        "stored their share",
+        "readers: 2/2 loaded",
+        "compared with the unsharded truth",
+    ):
+        assert phase in result.stderr, phase
+    assert len(PROGRESS.findall(result.stderr)) >= 7
+    assert "PASS" in result.stderr
+
+
+@pytest.mark.slow
+def test_mla_run_prints_progress_and_pass():
+    result = run_demo(
+        "--preset",
+        "deepseek-v3",
+        "--layers",
+        "2",
+        "--prompt-tokens",
+        "64",
+        "--writer-tp",
+        "4",
+        "--reader-tp",
+        "1",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "PASS"
+    progress = PROGRESS.findall(result.stdout)
+    assert len(progress) >= 7, result.stdout
+    assert "verified: 1/1 pages loaded by every reader; the latent x 64 tokens x 2 layers" in (
+        result.stdout
+    )
+    assert result.stderr == ""
+
+
+# ------------------------------------------------------------- item 13: README ops quickstart
+
+
+def test_readme_ops_quickstart_runs_and_prints_what_it_shows():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Ops quickstart\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == shown
+    assert "True" in shown
+    assert time.monotonic() - start < 60
