@@ -14,7 +14,8 @@ import os
 import sys
 import textwrap
 
-from .explain import CliParser, explain, int_in, lower, upper
+from .cli import CliParser, int_in, lower, upper
+from .explain import explain
 from .spec import ATTENTION_KINDS, ORDERS, PACKINGS, LayerSpec, dtype_name
 
 MAX_RANKS = 1024  # TP x PCP: more ranks than any deployment, and explained in ~1 s

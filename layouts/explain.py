@@ -1,17 +1,8 @@
-"""Text picture of which rank writes which bytes of one canonical page.
-
-Also the command-line helpers shared by ``python -m layouts explain`` and
-``python -m canonical_ops demo``: a parser whose usage errors are ONE line on
-stderr (exit 2, never a traceback), ``--help`` with the defaults, bounded integer
-flags (``8`` yes, ``1.5`` no) and case-insensitive choices.
-"""
+"""Text picture of which rank writes which bytes of one canonical page."""
 
 from __future__ import annotations
 
-import argparse
-import math
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -120,82 +111,3 @@ def explain(spec: LayerSpec, ctx_args: dict, page_id: int = 0, width: int = 64) 
         out.append(f"writers of pages p with p % {num_writers} == {pid}: ranks {writers}")
     out.append(picture(mappings, page_id, width))
     return "\n".join(out)
-
-
-# ------------------------------------------------------------------ command-line helpers
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions and epilogs kept as written; every flag with a default shows it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help  # "(default: None)" says nothing
-        return super()._get_help_string(action)
-
-
-class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr and exit status 2.
-
-    Subparsers made by ``add_subparsers`` are CliParsers too. ``fail`` reports
-    errors found after parsing (ranges that depend on several flags) the same way.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        message = " ".join(str(message).split())  # one line, whatever the message holds
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-    def fail(self, message: str) -> NoReturn:
-        self.error(message)
-
-
-def int_in(minimum: int, maximum: int) -> Callable[[str], int]:
-    """argparse ``type``: a base-10 integer in [minimum, maximum]; ``1.5`` or ``1e9`` is refused."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer in [{minimum}, {maximum}], got {text!r}"
-            ) from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer in [{minimum}, {maximum}], got {value}"
-            )
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def float_in(minimum_exclusive: float, maximum: float) -> Callable[[str], float]:
-    """argparse ``type``: a finite number in (minimum_exclusive, maximum]."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and minimum_exclusive < value <= maximum):
-            raise argparse.ArgumentTypeError(
-                f"expected a number > {minimum_exclusive:g} and <= {maximum:g}, got {text!r}"
-            )
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
-def lower(text: str) -> str:
-    """argparse ``type`` of case-insensitive lower-case choices (``--packing SPLIT``)."""
-    return text.lower()
-
-
-def upper(text: str) -> str:
-    """argparse ``type`` of case-insensitive upper-case choices (``--order nhd``)."""
-    return text.upper()

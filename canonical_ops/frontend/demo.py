@@ -36,7 +36,8 @@ from layouts import (
     certification_failure,
     derive_group_mappings,
 )
-from layouts.explain import CliParser, float_in, int_in, lower, picture, upper
+from layouts.cli import CliParser, float_in, int_in, lower, upper
+from layouts.explain import picture
 
 # torch is imported where it is used: usage errors are answered without it.
 
