@@ -169,13 +169,13 @@ def test_non_writer_store_changes_nothing() -> None:
             worker = OffloadWorker(
                 kv, specs, RankContext(4, 1, rank), region, pages_per_row=model.pages_per_row
             )
-            job = worker.wait(worker.store([3], [1]))
+            job = worker.wait(worker.store(block_ids=[3], page_ids=[1]))
             assert job.num_bytes == 0
         assert torch.equal(region.tensor, before)
         writer = OffloadWorker(
             kv, specs, RankContext(4, 1, 1), region, pages_per_row=model.pages_per_row
         )
-        writer.wait(writer.store([3], [1]))
+        writer.wait(writer.store(block_ids=[3], page_ids=[1]))
         assert not torch.equal(region.tensor, before)
 
 

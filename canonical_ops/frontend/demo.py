@@ -175,16 +175,17 @@ def rank_main(
                     device
                 )
         ctx = RankContext(tp, cfg.total_kv_heads, rank)
-        worker = OffloadWorker(kv, [cfg.spec(tp)] * cfg.layers, ctx, region)
+        typed = [t.view(TORCH_DTYPES[cfg.dtype]) for t in kv]  # the worker checks the dtype
+        worker = OffloadWorker(typed, [cfg.spec(tp)] * cfg.layers, ctx, region)
         # Transfers are idempotent: the first warms page tables and caches, the
         # second is the one timed.
         if role == "writer":
-            worker.wait(worker.store(blocks, page_ids))
-            job = worker.wait(worker.store(blocks, page_ids))
+            worker.wait(worker.store(block_ids=blocks, page_ids=page_ids))
+            job = worker.wait(worker.store(block_ids=blocks, page_ids=page_ids))
             report = dict(mismatched_layers=[])
         else:
-            worker.wait(worker.load(page_ids, blocks))
-            job = worker.wait(worker.load(page_ids, blocks))
+            worker.wait(worker.load(block_ids=blocks, page_ids=page_ids))
+            job = worker.wait(worker.load(block_ids=blocks, page_ids=page_ids))
             bad = []
             for layer in range(cfg.layers):
                 expected = shard_of(cfg, truth_layer(cfg, layer), tp, rank)

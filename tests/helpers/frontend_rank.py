@@ -102,10 +102,10 @@ def run_rank(task: dict) -> dict:
                 # between layers' worth of work, so it never reports.
                 task["announce"].put(os.getpid())
                 time.sleep(60)
-            job = worker.wait(worker.store(blocks, pages))
+            job = worker.wait(worker.store(block_ids=blocks, page_ids=pages))
             result.update(bytes=job.num_bytes)
         else:
-            job = worker.wait(worker.load(pages, blocks))
+            job = worker.wait(worker.load(block_ids=blocks, page_ids=pages))
             bad = []
             for layer, cache in enumerate(caches):
                 got = cache.host_bytes()
