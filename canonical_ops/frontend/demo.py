@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     manager = PageManager.from_mappings(cfg.prompt_blocks, w_groups)
     hashes = [f"prompt-block-{i}".encode() for i in range(cfg.prompt_blocks)]
     page_ids = manager.allocate(hashes)
+    generations = [manager.generation(page) for page in page_ids]
     engine_id = f"demo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     world = 1 + cfg.writer_tp + cfg.reader_tp
     region_args = dict(
@@ -336,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                 ok = False
                 print(f"writer {r['rank']} failed:\n{r['error']}", file=sys.stderr)
             else:
-                for page in page_ids:
+                for page, generation in zip(page_ids, generations):
                     if r["rank"] in manager.writer_ranks(page):
-                        manager.complete_store(page, r["rank"])
+                        manager.complete_store(page, r["rank"], generation=generation)
         ready = manager.lookup(hashes)
         print(
             f"stored: {ready}/{cfg.prompt_blocks} pages ready "
