@@ -10,7 +10,7 @@ import torch
 from helpers.ops import make_kv_cache
 
 from canonical_ops.frontend import OffloadWorker, canonical_row_bytes
-from canonical_ops.frontend.worker import group_layer_mappings
+from canonical_ops.frontend.worker import group_layer_mappings, spec_mismatch
 from layouts import LayerSpec, RankContext
 
 
@@ -232,3 +232,15 @@ def test_rows_must_match_the_layer_areas_unless_offsets_are_given() -> None:
     assert torch.equal(kv[1][4:6], truth[0:2, 4:8])  # the certified layer, bit-exact
     with pytest.raises(ValueError, match=r"cpu_pages: expected rows of at least"):
         OffloadWorker(kv, specs, ctx, pages, area_offsets=[0, tp4_rows - 100])
+
+
+def test_spec_mismatch_ignores_strides_of_size_one_dims() -> None:
+    one_head = torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16)  # contiguous: HND strides
+    for order in ("NHD", "HND"):  # one head: both orders address the same bytes
+        assert (
+            spec_mismatch(one_head, LayerSpec("full", 16, 1, 32, "bf16", "packed", order)) is None
+        )
+    latent = torch.zeros(4, 16, 64, dtype=torch.bfloat16)
+    assert spec_mismatch(latent, LayerSpec("mla", 16, 1, 64, "bfloat16", "packed", "NHD")) is None
+    problem = spec_mismatch(latent, LayerSpec("mla", 16, 1, 64, "bfloat16", "split", "HND"))
+    assert "packing 'packed' and order 'NHD' for an MLA latent cache" in problem
