@@ -31,7 +31,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         PageState,
         PageStateError,
     )
-    from .frontend.shared_region import RegionSpaceError, SharedOffloadRegion, region_path
+    from .frontend.shared_region import (
+        RegionClosedError,
+        RegionSpaceError,
+        SharedOffloadRegion,
+        region_path,
+    )
     from .frontend.worker import (
         OffloadWorker,
         TransferJob,
@@ -58,6 +63,7 @@ _EXPORTS = {
     "PageManager": ".frontend.page_manager",
     "PageState": ".frontend.page_manager",
     "PageStateError": ".frontend.page_manager",
+    "RegionClosedError": ".frontend.shared_region",
     "RegionSpaceError": ".frontend.shared_region",
     "SharedOffloadRegion": ".frontend.shared_region",
     "region_path": ".frontend.shared_region",
@@ -76,6 +82,7 @@ __all__ = [
     "PageManager",
     "PageState",
     "PageStateError",
+    "RegionClosedError",
     "RegionSpaceError",
     "SharedOffloadRegion",
     "TransferJob",

@@ -69,6 +69,7 @@ def cross_topology(ctx_mp, model: Model, writer: Topo, reader: Topo) -> None:
     manager = PageManager.from_mappings(num_pages, w_groups)
     hashes = [f"h{i}".encode() for i in range(5)]
     page_ids = manager.allocate(hashes)
+    generations = [manager.generation(page) for page in page_ids]  # the writers' tokens
     world = 1 + writer.ranks + reader.ranks
     region_args = dict(
         engine_id=f"test-{uuid.uuid4().hex}",
@@ -94,9 +95,9 @@ def cross_topology(ctx_mp, model: Model, writer: Topo, reader: Topo) -> None:
             ],
         )
         for result in writers:
-            for page in page_ids:
+            for page, generation in zip(page_ids, generations):
                 if result["rank"] in manager.writer_ranks(page):
-                    manager.complete_store(page, result["rank"])
+                    manager.complete_store(page, result["rank"], generation=generation)
         assert manager.lookup(hashes) == len(hashes)
         loaded = manager.acquire(hashes)
         readers = run_ranks(
@@ -169,13 +170,13 @@ def test_non_writer_store_changes_nothing() -> None:
             worker = OffloadWorker(
                 kv, specs, RankContext(4, 1, rank), region, pages_per_row=model.pages_per_row
             )
-            job = worker.wait(worker.store([3], [1]))
+            job = worker.wait(worker.store(block_ids=[3], page_ids=[1]))
             assert job.num_bytes == 0
         assert torch.equal(region.tensor, before)
         writer = OffloadWorker(
             kv, specs, RankContext(4, 1, 1), region, pages_per_row=model.pages_per_row
         )
-        writer.wait(writer.store([3], [1]))
+        writer.wait(writer.store(block_ids=[3], page_ids=[1]))
         assert not torch.equal(region.tensor, before)
 
 
@@ -192,8 +193,10 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
     )
     good_hashes = [b"a", b"b", b"c"]
     good = manager.allocate(good_hashes)
+    good_generations = [manager.generation(page) for page in good]
     now[0] = 10.0
     doomed = manager.allocate([b"doomed"])
+    doomed_generation = manager.generation(doomed[0])
     region_args = dict(
         engine_id=f"test-{uuid.uuid4().hex}",
         num_rows=model.num_rows,
@@ -216,8 +219,8 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
                 for r in range(2)
             ],
         ):
-            for page in good:
-                manager.complete_store(page, result["rank"])
+            for page, generation in zip(good, good_generations):
+                manager.complete_store(page, result["rank"], generation=generation)
         good_bytes = region.tensor.clone()
         # Rank 1 of a second store job dies before its store completes; rank 0 finishes.
         announce = ctx_mp.Queue()
@@ -257,7 +260,7 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
                 )
             ],
         )
-        manager.complete_store(doomed[0], survivor[0]["rank"])
+        manager.complete_store(doomed[0], survivor[0]["rank"], generation=doomed_generation)
         assert manager.state(doomed[0]) == "pending"
         assert manager.lookup([b"doomed"]) == 0
         now[0] = 50.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -53,13 +53,18 @@ def sharded_tp4():
     return derive_group_mappings(gqa(2), tp_size=4, total_kv_heads=8)
 
 
+def report(pm: PageManager, page: int, rank: int) -> bool:
+    """``rank``'s report of the current store of ``page`` (its current generation)."""
+    return pm.complete_store(page, rank, generation=pm.generation(page))
+
+
 def store_all(pm: PageManager, block_hashes) -> list[int]:
     """Allocate and fully complete a store of ``block_hashes``; return their pages."""
     pages = pm.allocate(block_hashes)
     for page in pages:
         assert page is not None
         for rank in sorted(pm.writer_ranks(page)):
-            pm.complete_store(page, rank)
+            report(pm, page, rank)
     return pages
 
 
@@ -90,14 +95,14 @@ def test_default_writers_are_all_ranks():
     pm = PageManager(3, num_ranks=3)
     (page,) = pm.allocate([b"a"])
     assert pm.writer_ranks(page) == frozenset({0, 1, 2})
-    assert pm.complete_store(page, 2) is False
-    assert pm.complete_store(page, 0) is False
+    assert report(pm, page, 2) is False
+    assert report(pm, page, 0) is False
     assert pm.state(page) == "pending" and pm.lookup([b"a"]) == 0
-    assert pm.complete_store(page, 1) is True
+    assert report(pm, page, 1) is True
     assert pm.state(page) == "ready" and pm.lookup([b"a"]) == 1
     single = PageManager(1)
     (page,) = single.allocate([7])
-    assert single.complete_store(page, 0) is True
+    assert report(single, page, 0) is True
 
 
 def test_from_mappings_validation():
@@ -133,15 +138,15 @@ def test_replicated_gqa_writers_rotate_per_page():
     even, odd = pm.allocate([b"h0", b"h1"])
     assert (even, odd) == (0, 1)
     with pytest.raises(PageStateError, match="not an elected writer"):
-        pm.complete_store(even, 1)
-    assert pm.complete_store(even, 0) is False
+        report(pm, even, 1)
+    assert report(pm, even, 0) is False
     assert pm.pending_writers(even) == frozenset({2})
     assert pm.state(even) == "pending"
     assert pm.lookup([b"h0", b"h1"]) == 0
-    assert pm.complete_store(even, 2) is True
+    assert report(pm, even, 2) is True
     assert pm.lookup([b"h0", b"h1"]) == 1
-    assert pm.complete_store(odd, 3) is False
-    assert pm.complete_store(odd, 1) is True
+    assert report(pm, odd, 3) is False
+    assert report(pm, odd, 1) is True
     assert pm.lookup([b"h0", b"h1"]) == 2
 
 
@@ -153,8 +158,8 @@ def test_mla_single_writer_per_page():
         assert pm.writer_ranks(page) == frozenset({page % 4})
         for other in set(range(4)) - {page % 4}:
             with pytest.raises(PageStateError, match="not an elected writer"):
-                pm.complete_store(page, other)
-        assert pm.complete_store(page, page % 4) is True
+                report(pm, page, other)
+        assert report(pm, page, page % 4) is True
     assert pm.num_ready == 8
 
 
@@ -172,10 +177,10 @@ def test_mixed_layers_take_the_union_of_writers():
 
     (page,) = pm.allocate(["x"])
     assert page == 0
-    assert not pm.complete_store(page, 0)
-    assert not pm.complete_store(page, 2)  # all GQA bytes are in; the MLA half of rank 1 is not
+    assert not report(pm, page, 0)
+    assert not report(pm, page, 2)  # all GQA bytes are in; the MLA half of rank 1 is not
     assert pm.lookup(["x"]) == 0
-    assert pm.complete_store(page, 1)
+    assert report(pm, page, 1)
     assert pm.lookup(["x"]) == 1
 
     with_sharded = PageManager.from_mappings(4, [mla_tp4(), sharded_tp4()])
@@ -201,8 +206,8 @@ def test_lookup_longest_ready_prefix():
     assert pm.lookup(["a", "zz", "b"]) == 1  # unknown hash ends it
     assert pm.lookup(["zz", "a"]) == 0
     assert pm.lookup(["d"]) == 1
-    pm.complete_store(pending, 0)
-    pm.complete_store(pending, 1)
+    report(pm, pending, 0)
+    report(pm, pending, 1)
     assert pm.lookup(iter(["a", "b", "c", "d"])) == 4
 
 
@@ -234,7 +239,7 @@ def test_allocate_rejects_bad_hashes():
 
 def test_lru_evicts_least_recently_used_ready_pages():
     pm = PageManager(4)
-    pages = dict(zip("abcd", store_all(pm, list("abcd"))))  # ready in order a, b, c, d
+    pages = {h: store_all(pm, [h])[0] for h in "abcd"}  # used in order a, b, c, d
     assert pm.num_free == 0
     assert pm.lookup(["a"]) == 1  # a is now the most recent: LRU order b, c, d, a
     (e,) = pm.allocate(["e"])
@@ -246,6 +251,47 @@ def test_lru_evicts_least_recently_used_ready_pages():
     assert pm.page_of("a") == pages["a"] and pm.state(e) == "pending"
     with pytest.raises(PageCapacityError):
         pm.allocate(["h", "i"])  # only a is evictable; e, f, g are pending
+
+
+def test_fresh_prefix_loses_its_tail_first():
+    """A stored 4-block prefix used to lose its head first (pages turned evictable in
+    completion order), leaving 3 cached tail blocks that no lookup can ever reach."""
+    pm = PageManager(5)
+    prefix = ["h0", "h1", "h2", "h3"]
+    pages = pm.allocate(prefix)
+    for page in pages:  # completed head first, as stores usually finish
+        report(pm, page, 0)
+    store_all(pm, ["other"])  # allocated later: more recent than the whole prefix
+    pm.allocate(["n1"])
+    assert pm.page_of("h3") is None  # the tail went
+    assert pm.lookup(prefix) == 3
+    pm.allocate(["n2"])  # the lookup used h0..h2 again, so "other" is the oldest now
+    assert pm.page_of("other") is None and pm.lookup(prefix) == 3
+    pm.allocate(["n3", "n4"])
+    assert [pm.page_of(h) is not None for h in prefix] == [True, False, False, False]
+    assert pm.lookup(prefix) == 1
+
+
+def test_completion_order_does_not_change_eviction_order():
+    pm = PageManager(3)
+    a, b, c = pm.allocate(["a", "b", "c"])
+    for page in (b, a, c):  # completion order used to be the eviction order
+        report(pm, page, 0)
+    pm.allocate(["x"])
+    assert pm.page_of("c") is None
+    pm.allocate(["y"])
+    assert pm.page_of("b") is None and pm.page_of("a") == a
+
+
+def test_release_uses_pages_head_most_recent():
+    pm = PageManager(3)
+    pages = store_all(pm, ["a", "b", "c"])
+    pm.acquire(["a", "b", "c"])
+    pm.release(pages)
+    pm.allocate(["x"])
+    assert pm.page_of("c") is None
+    pm.allocate(["y"])
+    assert pm.page_of("b") is None and pm.page_of("a") is not None
 
 
 def test_lookup_touches_prefix_tail_first():
@@ -277,7 +323,7 @@ def test_refcount_protects_pages_from_eviction():
     (d,) = pm.allocate(["d"])
     assert d == c  # a and b are older but pinned
     before = snapshot(pm)
-    with pytest.raises(PageCapacityError, match="0 free and 0 evictable"):
+    with pytest.raises(PageCapacityError, match="0 free, 0 timed-out pending and 0 evictable"):
         pm.allocate(["e"])
     assert snapshot(pm) == before
     pm.release([b])  # b evictable again, a still pinned
@@ -329,28 +375,40 @@ def test_complete_store_errors():
     pm = PageManager.from_mappings(4, [gqa2_tp4()])
     (page,) = pm.allocate(["a"])
     with pytest.raises(PageStateError, match=r"page_id: expected an int in \[0, 3\], got 4"):
-        pm.complete_store(4, 0)
+        pm.complete_store(4, 0, generation=1)
     with pytest.raises(PageStateError, match=r"page_id: expected an int in \[0, 3\], got -1"):
-        pm.complete_store(-1, 0)
+        pm.complete_store(-1, 0, generation=1)
     with pytest.raises(TypeError, match="page_id: expected an int"):
-        pm.complete_store("0", 0)
+        pm.complete_store("0", 0, generation=1)
     with pytest.raises(PageStateError, match=r"rank: expected an int in \[0, 3\], got 4"):
-        pm.complete_store(page, 4)
+        pm.complete_store(page, 4, generation=1)
     with pytest.raises(TypeError, match="rank: expected an int"):
-        pm.complete_store(page, True)
-    with pytest.raises(PageStateError, match="page 1 is free, not pending"):
-        pm.complete_store(1, 1)
+        pm.complete_store(page, True, generation=1)
+    with pytest.raises(TypeError, match="generation"):
+        pm.complete_store(page, 0)  # required: a report without it could be a late one
+    with pytest.raises(TypeError, match="generation: expected an int"):
+        pm.complete_store(page, 0, generation=1.0)
+    with pytest.raises(PageStateError, match=r"generation: expected an int >= 1, got 0"):
+        pm.complete_store(page, 0, generation=0)
+    with pytest.raises(
+        PageStateError,
+        match=r"generation: expected page 0's current generation 1, got 2: .*never allocated",
+    ):
+        pm.complete_store(page, 0, generation=2)
+    assert pm.pending_writers(page) == frozenset({0, 2})  # nothing counted
+    with pytest.raises(PageStateError, match=r"current generation 0, got 1: .*never allocated"):
+        pm.complete_store(1, 1, generation=1)  # page 1 is free, never allocated
     with pytest.raises(
         PageStateError, match=r"not an elected writer of page 0 \(writers: \[0, 2\]"
     ):
-        pm.complete_store(page, 3)
-    assert pm.complete_store(page, 0) is False
+        report(pm, page, 3)
+    assert report(pm, page, 0) is False
     with pytest.raises(PageStateError, match="rank 0 already reported page 0"):
-        pm.complete_store(page, 0)
+        report(pm, page, 0)
     assert pm.pending_writers(page) == frozenset({2})
-    assert pm.complete_store(page, 2) is True
+    assert report(pm, page, 2) is True
     with pytest.raises(PageStateError, match="page 0 is ready, not pending"):
-        pm.complete_store(page, 2)
+        report(pm, page, 2)
     with pytest.raises(PageStateError, match="not pending"):
         pm.pending_writers(page)
     assert isinstance(PageStateError("x"), ValueError)
@@ -390,7 +448,7 @@ def test_fail_store_frees_pending_pages_only():
     pm = PageManager(4, num_ranks=2)
     (ready,) = store_all(pm, ["r"])
     p1, p2 = pm.allocate(["p1", "p2"])
-    pm.complete_store(p1, 0)
+    report(pm, p1, 0)
     free_page = next(p for p in range(4) if pm.state(p) == "free")
     with pytest.raises(
         PageStateError, match=r"page_ids\[1\]: expected an int in \[0, \d+\], got 7"
@@ -401,7 +459,7 @@ def test_fail_store_frees_pending_pages_only():
     assert pm.state(p1) == "free" and pm.page_of("p1") is None and pm.hash_of(p1) is None
     assert pm.state(ready) == "ready" and pm.state(p2) == "pending"
     with pytest.raises(PageStateError, match="not pending"):
-        pm.complete_store(p1, 1)  # the late report of the failed store
+        report(pm, p1, 1)  # the late report of the failed store
     assert pm.lookup(["p1"]) == 0
     # The hash can be stored again from scratch.
     (again,) = pm.allocate(["p1"])
@@ -413,12 +471,12 @@ def test_reclaim_stale_dead_writer_page_is_never_ready():
     clock = FakeClock(1000.0)
     pm = PageManager.from_mappings(6, [gqa2_tp4()], clock=clock)
     dead, done = pm.allocate(["dead", "done"])  # pages 0 (ranks 0, 2), 1 (ranks 1, 3)
-    pm.complete_store(dead, 0)  # rank 2 is SIGKILLed before reporting
-    pm.complete_store(done, 1)
-    pm.complete_store(done, 3)
+    report(pm, dead, 0)  # rank 2 is SIGKILLed before reporting
+    report(pm, done, 1)
+    report(pm, done, 3)
     clock.t = 1005.0
     (young,) = pm.allocate(["young"])
-    pm.complete_store(young, 0)
+    report(pm, young, 0)
     pm.acquire(["done"])
 
     with pytest.raises(ValueError, match="max_age_s"):
@@ -438,26 +496,123 @@ def test_reclaim_stale_dead_writer_page_is_never_ready():
     assert pm.state(done) == "ready" and pm.refcount(done) == 1
     assert pm.state(young) == "pending" and pm.pending_writers(young) == frozenset({2})
     # The reclaimed page is reusable, and the young store still completes.
-    assert pm.complete_store(young, 2) is True
+    assert report(pm, young, 2) is True
     assert pm.reclaim_stale(0.0, now=10_000.0) == []
     (reused,) = pm.allocate(["dead"])
     assert pm.state(reused) == "pending"
     assert pm.reclaim_stale(0.0, now=10_000.0) == [reused]
 
 
+def test_late_report_of_a_reclaimed_store_is_refused():
+    """A slow writer's report used to count toward the block its page was re-allocated to:
+    the page turned ready although that writer never wrote the new block."""
+    clock = FakeClock(0.0)
+    pm = PageManager(1, num_ranks=2, clock=clock)
+    (page,) = pm.allocate(["old"])
+    old_generation = pm.generation(page)
+    assert pm.complete_store(page, 0, generation=old_generation) is False  # rank 1 is slow
+    clock.t = 100.0
+    assert pm.reclaim_stale(10.0) == [page]
+    (again,) = pm.allocate(["new"])
+    assert again == page and pm.generation(page) == old_generation + 1
+    with pytest.raises(
+        PageStateError,
+        match=r"generation: expected page 0's current generation 2, got 1: the store of "
+        r"generation 1 was abandoned",
+    ):
+        pm.complete_store(page, 1, generation=old_generation)  # the slow writer, at last
+    assert pm.pending_writers(page) == frozenset({0, 1})
+    assert pm.complete_store(page, 0, generation=2) is False
+    assert pm.lookup(["new"]) == 0  # rank 1 has not written "new"
+    assert pm.complete_store(page, 1, generation=2) is True
+    assert pm.info(page).generation == 2
+
+
+def test_pending_timeout_reclaims_dead_stores_when_capacity_is_short():
+    clock = FakeClock(0.0)
+    pm = PageManager(4, num_ranks=2, clock=clock, pending_timeout_s=30.0)
+    assert pm.pending_timeout_s == 30.0
+    dead = pm.allocate(["d0", "d1"])  # their writers die: nobody ever reports
+    generations = [pm.generation(p) for p in dead]
+    store_all(pm, ["r"])
+    clock.t = 20.0
+    before = snapshot(pm)
+    with pytest.raises(PageCapacityError) as info:
+        pm.allocate(["n1", "n2", "n3"])
+    assert (info.value.needed, info.value.free, info.value.evictable) == (3, 1, 1)
+    assert info.value.expired == 0 and snapshot(pm) == before  # nothing timed out yet
+    clock.t = 31.0
+    (fits,) = pm.allocate(["n0"])  # a free page is left: nothing is reclaimed for it
+    assert pm.num_pending == 3 and pm.page_of("d0") == dead[0]
+    pages = pm.allocate(["n1", "n2"])
+    assert sorted(pages) == sorted(dead)  # the dead stores' pages, not the ready "r"
+    assert pm.lookup(["r"]) == 1 and pm.page_of("d0") is None and pm.page_of("d1") is None
+    for page, generation in zip(dead, generations):
+        with pytest.raises(PageStateError, match="abandoned"):
+            pm.complete_store(page, 0, generation=generation)
+    assert pm.state(fits) == "pending"
+    pm.check_invariants()
+
+
+def test_pending_timeout_restores_a_requested_hash():
+    clock = FakeClock(0.0)
+    pm = PageManager(4, num_ranks=2, clock=clock, pending_timeout_s=30.0)
+    (first,) = pm.allocate(["h"])
+    clock.t = 30.0
+    assert pm.allocate(["h"]) == [None]  # 30 s is not "longer than" the timeout
+    clock.t = 30.5
+    (second,) = pm.allocate(["h"])  # its store timed out: store it again
+    assert second is not None and second != first
+    assert pm.state(first) == "free" and pm.generation(second) == 1
+    assert pm.page_of("h") == second
+    assert pm.reclaim_stale(now=61.0) == [second]  # the manager's timeout by default
+
+
+def test_pending_timeout_and_reclaim_validation():
+    for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError)):
+        with pytest.raises(error, match="pending_timeout_s"):
+            PageManager(2, pending_timeout_s=bad)
+    with pytest.raises(TypeError, match="pending_timeout_s"):
+        PageManager(2, pending_timeout_s="60")
+    pm = PageManager(2, pending_timeout_s=None)
+    assert pm.pending_timeout_s is None
+    with pytest.raises(ValueError, match=r"max_age_s: .*no pending_timeout_s"):
+        pm.reclaim_stale()
+    assert PageManager(2).pending_timeout_s == 60.0
+    assert PageManager.from_mappings(2, [mla_tp4()], pending_timeout_s=5.0).pending_timeout_s == 5
+
+
+def test_fail_store_with_generations_skips_reallocated_pages():
+    clock = FakeClock(0.0)
+    pm = PageManager(2, num_ranks=2, clock=clock)
+    old, other = pm.allocate(["old", "other"])
+    clock.t = 100.0
+    assert pm.reclaim_stale(10.0) == sorted([old, other])
+    (new,) = pm.allocate(["new"])
+    assert new == old
+    with pytest.raises(PageStateError, match="generations: expected one per page id"):
+        pm.fail_store([new], generations=[1, 2])
+    assert pm.fail_store([new], generations=[1]) == []  # the old store's failure, late
+    assert pm.page_of("new") == new
+    assert pm.fail_store([new], generations=[2]) == [new]
+
+
 def test_introspection():
     pm = PageManager.from_mappings(3, [mla_tp4()])
     assert pm.num_pages == 3 and pm.num_ranks == 4
     (page,) = pm.allocate([42])
-    assert pm.info(page) == PageInfo(page, "pending", 42, 0, frozenset({0}), frozenset({0}))
-    assert pm.info(2) == PageInfo(2, "free", None, 0, frozenset(), frozenset())
+    assert pm.info(page) == PageInfo(page, "pending", 42, 0, frozenset({0}), frozenset({0}), 1)
+    assert pm.info(2) == PageInfo(2, "free", None, 0, frozenset(), frozenset(), 0)
+    assert pm.generation(page) == 1 and pm.generation(2) == 0
     assert pm.writer_ranks(2) == frozenset({2})  # a free page reports its future writers
-    pm.complete_store(page, 0)
+    report(pm, page, 0)
     pm.acquire([42])
-    assert pm.info(page) == PageInfo(page, "ready", 42, 1, frozenset({0}), frozenset())
+    assert pm.info(page) == PageInfo(page, "ready", 42, 1, frozenset({0}), frozenset(), 1)
     assert pm.page_of(42) == page and pm.page_of(43) is None
-    with pytest.raises(PageStateError, match="page_id: unknown page id 3"):
+    with pytest.raises(PageStateError, match=r"page_id: expected an int in \[0, 2\], got 3"):
         pm.state(3)
+    with pytest.raises(PageStateError, match="page_id"):
+        pm.generation(3)
     with pytest.raises(PageStateError, match="page_id"):
         pm.hash_of(-1)
     pm.check_invariants()
@@ -472,94 +627,163 @@ def _writers(page: int) -> frozenset[int]:
 
 
 class PageManagerMachine(RuleBasedStateMachine):
-    """Random operations against a reference model of states, pins and LRU order."""
+    """Random operations against a reference model of states, generations, pins and recency.
+
+    The model keeps no heap: it sorts every candidate by its last use, (call number,
+    -position in the call), to predict exactly which pages an allocation evicts.
+    """
 
     NUM_PAGES = 6
+    TIMEOUT = 5.0
     HASHES = st.integers(0, 11)
 
     @initialize()
     def setup(self):
         self.clock = FakeClock(0.0)
-        self.pm = PageManager(self.NUM_PAGES, _writers, num_ranks=3, clock=self.clock)
-        self.pending: dict[int, tuple[int, set[int], float]] = {}  # page -> (hash, done, t)
+        self.pm = PageManager(
+            self.NUM_PAGES,
+            _writers,
+            num_ranks=3,
+            clock=self.clock,
+            pending_timeout_s=self.TIMEOUT,
+        )
+        # page -> (hash, ranks reported, allocated at); in allocation order.
+        self.pending: dict[int, tuple[int, set[int], float]] = {}
         self.ready: dict[int, int] = {}  # page -> hash
+        self.generation: Counter[int] = Counter()
         self.pins: Counter[int] = Counter()
-        self.lru: OrderedDict[int, None] = OrderedDict()  # ready, unpinned; oldest first
+        self.calls = 0  # calls that used pages so far
+        self.last_use: dict[int, tuple[int, int]] = {}
+        self.evictable: set[int] = set()  # ready, unpinned
 
     def _hash_page(self) -> dict[int, int]:
         out = {h: p for p, h in self.ready.items()}
         out.update({h: p for p, (h, _, _) in self.pending.items()})
         return out
 
-    @rule(hashes=st.lists(HASHES, max_size=5))
-    def allocate(self, hashes):
+    def _timed_out(self, page: int) -> bool:
+        return self.clock.t - self.pending[page][2] > self.TIMEOUT
+
+    @rule(hashes=st.lists(HASHES, max_size=5), data=st.data())
+    def allocate(self, hashes, data):
         present = self._hash_page()
-        new = list(dict.fromkeys(h for h in hashes if h not in present))
-        num_free = self.NUM_PAGES - len(self.pending) - len(self.ready)
-        protected = {present[h] for h in hashes if h in present}
-        candidates = [p for p in self.lru if p not in protected]
+        new, restored, seen = [], [], set()
+        for i, h in enumerate(hashes):
+            if h in seen:
+                continue
+            seen.add(h)
+            if h in present:
+                if present[h] not in self.pending or not self._timed_out(present[h]):
+                    continue
+                restored.append(present[h])
+            new.append(i)
+        free = [p for p in range(self.NUM_PAGES) if p not in self.pending and p not in self.ready]
+        reclaimed = restored
+        if len(new) > len(free) + len(restored):
+            reclaimed = [p for p in self.pending if self._timed_out(p)]
+        protected = {present[h] for h in hashes if h in present} - set(reclaimed)
+        candidates = sorted(self.evictable - protected, key=lambda p: (*self.last_use[p], p))
+        wanted = len(new) - len(free) - len(reclaimed)
         before = snapshot(self.pm)
-        if len(new) > num_free + len(candidates):
-            try:
+        if wanted > len(candidates):
+            with pytest.raises(PageCapacityError) as info:
                 self.pm.allocate(hashes)
-            except PageCapacityError as err:
-                assert (err.needed, err.free, err.evictable) == (
-                    len(new),
-                    num_free,
-                    len(candidates),
-                )
-            else:
-                raise AssertionError("expected PageCapacityError")
+            err = info.value
+            assert (err.needed, err.free, err.evictable, err.expired) == (
+                len(new),
+                len(free),
+                len(candidates),
+                len(reclaimed),
+            )
             assert snapshot(self.pm) == before
             return
         out = self.pm.allocate(hashes)
         assert len(out) == len(hashes)
-        got = [p for p in out if p is not None]
-        assert [hashes[i] for i, p in enumerate(out) if p is not None] == new
-        victims = candidates[: max(0, len(new) - num_free)]
-        assert set(got) - set(victims) <= {
-            p for p in range(self.NUM_PAGES) if p not in self.pending and p not in self.ready
-        }
-        assert set(victims) <= set(got)
+        assert [i for i, p in enumerate(out) if p is not None] == new
+        got = [out[i] for i in new]
+        victims = candidates[: max(0, wanted)]
+        if len(new) <= len(free):
+            assert set(got) <= set(free)
+        else:  # every free page, then the oldest timed-out stores' pages, then LRU victims
+            taken = reclaimed[: len(new) - len(free)]
+            assert set(got) == set(free) | set(taken) | set(victims)
+        for page in reclaimed:
+            del self.pending[page]
         for page in victims:
             assert self.pins[page] == 0
             del self.ready[page]
-            del self.lru[page]
-        for page, h in zip(got, new):
-            self.pending[page] = (h, set(), self.clock.t)
+            self.evictable.discard(page)
+        if new:
+            self.calls += 1
+        for i, page in zip(new, got):
+            self.pending[page] = (hashes[i], set(), self.clock.t)
+            self.generation[page] += 1
+            self.last_use[page] = (self.calls, -i)
+        if data.draw(st.booleans(), label="store at once"):  # in any completion order
+            for page in data.draw(st.permutations(got), label="completion order"):
+                self._complete_every_writer(page, data)
 
     @rule(data=st.data())
     def complete(self, data):
         page = data.draw(st.integers(0, self.NUM_PAGES - 1))
         rank = data.draw(st.integers(0, 2))
+        current = self.generation[page]
+        generation = data.draw(st.sampled_from([current, current - 1, current + 1]))
         entry = self.pending.get(page)
-        if entry is None or rank not in _writers(page) or rank in entry[1]:
+        if generation != current or entry is None or rank not in _writers(page) or rank in entry[1]:
+            before = snapshot(self.pm)
             with pytest.raises(PageStateError):
-                self.pm.complete_store(page, rank)
+                self.pm.complete_store(page, rank, generation=generation)
+            assert snapshot(self.pm) == before
             return
         h, done, _ = entry
         done.add(rank)
-        became_ready = self.pm.complete_store(page, rank)
+        became_ready = self.pm.complete_store(page, rank, generation=generation)
         assert became_ready == (done == _writers(page))
         if became_ready:
             del self.pending[page]
             self.ready[page] = h
-            self.lru[page] = None
+            self.evictable.add(page)  # as recent as its allocation
 
-    @rule(pages=st.lists(st.integers(0, NUM_PAGES - 1), max_size=3))
-    def fail(self, pages):
-        expected = [p for p in dict.fromkeys(pages) if p in self.pending]
-        assert self.pm.fail_store(pages) == expected
+    def _complete_every_writer(self, page, data):
+        h, done, _ = self.pending[page]
+        ranks = data.draw(st.permutations(sorted(_writers(page) - done)), label="ranks")
+        for count, rank in enumerate(ranks, 1):
+            became_ready = self.pm.complete_store(page, rank, generation=self.generation[page])
+            assert became_ready == (count == len(ranks))
+        del self.pending[page]
+        self.ready[page] = h
+        self.evictable.add(page)  # as recent as its allocation
+
+    @rule(data=st.data())
+    def complete_every_writer(self, data):
+        """Every remaining writer of one pending page reports, in a random order."""
+        if self.pending:
+            self._complete_every_writer(data.draw(st.sampled_from(sorted(self.pending))), data)
+
+    @rule(pages=st.lists(st.integers(0, NUM_PAGES - 1), max_size=3), stale=st.booleans())
+    def fail(self, pages, stale):
+        if stale:  # the failure report of each page's previous store, if it had one
+            generations = [max(1, self.generation[p] - 1) for p in pages]
+        else:
+            generations = [max(1, self.generation[p]) for p in pages]
+        matching = [p for p, g in zip(pages, generations) if self.generation[p] == g]
+        expected = [p for p in dict.fromkeys(matching) if p in self.pending]
+        assert self.pm.fail_store(pages, generations=generations) == expected
         for page in expected:
             del self.pending[page]
 
-    @rule(dt=st.floats(0.0, 3.0), max_age=st.floats(0.0, 4.0))
+    @rule(dt=st.floats(0.0, 3.0), max_age=st.floats(0.0, 20.0))
     def reclaim(self, dt, max_age):
         self.clock.t += dt
         expected = sorted(p for p, (_, _, t) in self.pending.items() if self.clock.t - t > max_age)
         assert self.pm.reclaim_stale(max_age) == expected
         for page in expected:
             del self.pending[page]
+
+    @rule(dt=st.floats(0.0, 4.0))
+    def wait(self, dt):
+        self.clock.t += dt
 
     @rule(hashes=st.lists(HASHES, max_size=4))
     def lookup(self, hashes):
@@ -570,9 +794,10 @@ class PageManagerMachine(RuleBasedStateMachine):
                 break
             prefix.append(by_hash[h])
         assert self.pm.lookup(hashes) == len(prefix)
-        for page in reversed(prefix):
-            if page in self.lru:
-                self.lru.move_to_end(page)
+        if prefix:
+            self.calls += 1
+        for position, page in enumerate(prefix):
+            self.last_use[page] = (self.calls, -position)
 
     @rule(data=st.data())
     def acquire(self, data):
@@ -582,7 +807,7 @@ class PageManagerMachine(RuleBasedStateMachine):
         assert self.pm.acquire([self.ready[p] for p in pages]) == pages
         for page in pages:
             self.pins[page] += 1
-            self.lru.pop(page, None)
+            self.evictable.discard(page)
 
     @rule(data=st.data())
     def release(self, data):
@@ -592,11 +817,19 @@ class PageManagerMachine(RuleBasedStateMachine):
             with pytest.raises(PageStateError):
                 self.pm.release([page])
             return
-        page = data.draw(st.sampled_from(pinned))
-        self.pm.release([page])
-        self.pins[page] -= 1
-        if not self.pins[page]:
-            self.lru[page] = None
+        pages = data.draw(
+            st.lists(st.sampled_from(pinned), min_size=1, max_size=3).filter(
+                lambda ps: all(ps.count(p) <= self.pins[p] for p in ps)
+            )
+        )
+        self.pm.release(pages)
+        self.calls += 1
+        for page in pages:
+            self.pins[page] -= 1
+        for position, page in enumerate(pages):
+            if not self.pins[page] and page not in self.evictable:
+                self.evictable.add(page)
+                self.last_use[page] = (self.calls, -position)
 
     @rule(h=HASHES)
     def acquire_not_ready(self, h):
@@ -618,9 +851,10 @@ class PageManagerMachine(RuleBasedStateMachine):
             assert pm.state(page) == "pending" and pm.page_of(h) == page
             assert pm.pending_writers(page) == _writers(page) - done
         for page in range(self.NUM_PAGES):
+            assert pm.generation(page) == self.generation[page]
             if page not in self.ready and page not in self.pending:
                 assert pm.state(page) == "free" and pm.hash_of(page) is None
-        assert pm.num_evictable == len(self.lru)
+        assert pm.num_evictable == len(self.evictable)
 
 
 TestPageManagerMachine = PageManagerMachine.TestCase
@@ -650,7 +884,7 @@ def test_concurrent_completions_from_worker_threads():
         start.wait()
         try:
             for page in mine:
-                if pm.complete_store(page, rank):
+                if report(pm, page, rank):
                     made_ready[rank].append(page)
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
@@ -693,7 +927,7 @@ def test_racing_duplicate_reports_succeed_exactly_once():
         start.wait()
         for page, rank in order:
             try:
-                became = pm.complete_store(page, rank)
+                became = report(pm, page, rank)
             except PageStateError:
                 became = None
             with lock:

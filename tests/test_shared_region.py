@@ -35,6 +35,7 @@ def _load_module() -> Any:
 sr = _load_module()
 SharedOffloadRegion = sr.SharedOffloadRegion
 RegionSpaceError = sr.RegionSpaceError
+RegionClosedError = sr.RegionClosedError
 
 SHM = "/dev/shm"
 REPLY_TIMEOUT_S = 60.0
@@ -252,13 +253,88 @@ def test_creator_sigkilled_before_all_attached_is_stale(
         assert region.is_creator
         assert region.tensor.shape == (3, 4096 + 24)
         assert os.path.exists(path)
+    # Closed before rank 0 came: a closed marker is left for it.
+    assert os.path.getsize(path) == sr.HEADER_BYTES
+    assert SharedOffloadRegion.remove_closed_marker(engine)
+    assert not os.path.exists(path)
+
+
+def test_region_outlives_its_creator_while_a_rank_holds_it(
+    ctx: Any, ranks: list[Rank], engine: str
+) -> None:
+    """The creator's close used to unlink the file: rank 2, arriving after the creator
+    exited, became the creator of a new, empty region and rank 0's data was gone."""
+    path = sr.region_path(engine, SHM)
+    creator = Rank(ctx, _kwargs(engine, 0, 3))
+    ranks.append(creator)
+    assert creator.attached()
+    assert creator.call("write", 1, 7, 42) == ("ok",)
+    holder = Rank(ctx, _kwargs(engine, 1, 3))
+    ranks.append(holder)
+    assert not holder.attached()
+    assert creator.call("close") == ("closed",)
+    creator.stop()
+    assert creator.proc.exitcode == 0 and os.path.exists(path)  # rank 1 holds it
+    late = Rank(ctx, _kwargs(engine, 2, 3))
+    ranks.append(late)
+    assert not late.attached()  # the same region, not a new one
+    assert late.call("read", 1, 7) == ("value", 42)
+    assert not os.path.exists(path)  # all three attached: unlinked
+
+
+def _refused(rank: Rank) -> str:
+    msg = rank.reply()
+    assert msg[:2] == ("error", "RegionClosedError"), msg
+    return msg[2]
+
+
+def test_late_rank_is_refused_once_every_attached_rank_closed(
+    ctx: Any, ranks: list[Rank], engine: str
+) -> None:
+    """Writers closing before the reader attached used to leave it a new, empty region."""
+    path = sr.region_path(engine, SHM)
+    writers = []
+    for rank in (0, 1):  # one after the other: rank 0 is the creator
+        writers.append(Rank(ctx, _kwargs(engine, rank, 3)))
+        ranks.append(writers[-1])
+        assert writers[-1].attached() == (rank == 0)
+    assert writers[0].call("write", 2, 2, 9) == ("ok",)
+    for writer in writers:
+        assert writer.call("close") == ("closed",)
+        writer.stop()
+    assert os.path.getsize(path) == sr.HEADER_BYTES  # data freed; the closed marker stays
+    reader = Rank(ctx, _kwargs(engine, 2, 3))
+    ranks.append(reader)
+    message = _refused(reader)
+    assert "closed before all 3 ranks attached: rank(s) [0, 1] attached" in message
+    assert "data is gone" in message
+    assert not os.path.exists(path)  # every rank attached or was told: nothing left
+
+
+def test_late_rank_is_refused_when_the_last_holder_died_after_a_close(
+    ctx: Any, ranks: list[Rank], engine: str
+) -> None:
+    path = sr.region_path(engine, SHM)
+    creator = Rank(ctx, _kwargs(engine, 0, 3))
+    ranks.append(creator)
+    assert creator.attached()
+    holder = Rank(ctx, _kwargs(engine, 1, 3))
+    ranks.append(holder)
+    assert not holder.attached()
+    assert creator.call("close") == ("closed",)
+    creator.stop()
+    holder.kill()  # SIGKILL: it never closes
+    assert os.path.getsize(path) > sr.HEADER_BYTES  # nobody left to replace it
+    late = Rank(ctx, _kwargs(engine, 2, 3))
+    ranks.append(late)
+    assert "rank(s) [0, 1] attached" in _refused(late)
     assert not os.path.exists(path)
 
 
 # ------------------------------------------------------------- in-process
 
 
-def test_close_of_all_ranks_removes_file(engine: str) -> None:
+def test_last_holder_close_leaves_a_marker_until_every_rank_is_told(engine: str) -> None:
     path = sr.region_path(engine, SHM)
     creator = _region(engine, 0, 3)
     attacher = _region(engine, 2, 3)
@@ -266,12 +342,19 @@ def test_close_of_all_ranks_removes_file(engine: str) -> None:
     assert attacher.size_bytes == sr.HEADER_BYTES + 8 * (4096 + 24)
     assert os.path.getsize(path) == attacher.size_bytes
     attacher.close()
-    assert attacher.closed and os.path.exists(path)  # creator alive: rank 1 may still come
+    assert attacher.closed and os.path.exists(path)  # creator holds it: rank 1 may still come
     creator.close()
-    assert not os.path.exists(path)
+    assert os.path.getsize(path) == sr.HEADER_BYTES  # the data is freed, a marker stays
     creator.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         _ = creator.tensor
+    with pytest.raises(RegionClosedError, match=r"closed before all 3 ranks attached") as info:
+        _region(engine, 2, 3)  # an attached rank coming back: told, not counted again
+    assert info.value.attached_ranks == [0, 2] and os.path.exists(path)
+    with pytest.raises(RegionClosedError, match=r"rank\(s\) \[0, 2\] attached") as info:
+        _region(engine, 1, 3)
+    assert info.value.path == path
+    assert not os.path.exists(path)  # every rank attached or was told: nothing left
 
 
 def test_attacher_can_rejoin_after_close(engine: str) -> None:
@@ -299,6 +382,7 @@ def test_stale_file_with_dead_pid_is_replaced(engine: str) -> None:
     with _region(engine, 0, 2) as region:
         assert region.is_creator
         assert os.stat(path).st_size == region.size_bytes
+    assert SharedOffloadRegion.remove_closed_marker(engine)  # rank 1 never came
 
 
 def test_stale_invalid_header_is_replaced_after_grace(
@@ -312,6 +396,7 @@ def test_stale_invalid_header_is_replaced_after_grace(
     time.sleep(0.3)
     with _region(engine, 0, 2, attach_timeout_s=5.0) as region:
         assert region.is_creator
+    assert SharedOffloadRegion.remove_closed_marker(engine)
 
 
 def test_never_ready_unlocked_file_is_replaced_after_grace(
@@ -323,6 +408,7 @@ def test_never_ready_unlocked_file_is_replaced_after_grace(
     time.sleep(0.3)
     with _region(engine, 1, 2, attach_timeout_s=5.0) as region:
         assert region.is_creator
+    assert SharedOffloadRegion.remove_closed_marker(engine)
 
 
 def test_attach_timeout_while_creator_initialises(engine: str) -> None:
@@ -378,6 +464,7 @@ def test_geometry_mismatch_on_attach(engine: str) -> None:
         with pytest.raises(ValueError, match="world_size=2"):
             _region(engine, 1, 3)
         assert os.path.exists(creator.path)  # the live region is left alone
+    assert SharedOffloadRegion.remove_closed_marker(engine)
 
 
 def test_duplicate_rank_rejected(engine: str) -> None:
@@ -385,6 +472,9 @@ def test_duplicate_rank_rejected(engine: str) -> None:
         with _region(engine, 1, 3), pytest.raises(ValueError, match="already attached"):
             _region(engine, 1, 3)
         assert os.path.exists(creator.path)
+        assert not SharedOffloadRegion.remove_closed_marker(engine)  # a live region: kept
+    assert SharedOffloadRegion.remove_closed_marker(engine)
+    assert not SharedOffloadRegion.remove_closed_marker(engine)  # nothing left to remove
 
 
 def test_refuses_symlink_and_shared_files(engine: str, tmp_path: Path) -> None:

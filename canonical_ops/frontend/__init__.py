@@ -21,7 +21,12 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
-    from .shared_region import RegionSpaceError, SharedOffloadRegion, region_path
+    from .shared_region import (
+        RegionClosedError,
+        RegionSpaceError,
+        SharedOffloadRegion,
+        region_path,
+    )
     from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
 
 _EXPORTS = {
@@ -30,6 +35,7 @@ _EXPORTS = {
     "PageManager": ".page_manager",
     "PageState": ".page_manager",
     "PageStateError": ".page_manager",
+    "RegionClosedError": ".shared_region",
     "RegionSpaceError": ".shared_region",
     "SharedOffloadRegion": ".shared_region",
     "region_path": ".shared_region",
@@ -46,6 +52,7 @@ __all__ = [
     "PageManager",
     "PageState",
     "PageStateError",
+    "RegionClosedError",
     "RegionSpaceError",
     "SharedOffloadRegion",
     "TransferJob",

@@ -129,14 +129,16 @@ class DemoConfig:
         return len(self.global_heads(tp, 0))
 
     def spec(self, tp: int) -> LayerSpec:
+        # An MLA latent has one layout, (blocks, tokens, latent): described as packed NHD.
+        mla = self.attention == "mla"
         return LayerSpec(
             self.attention,
             self.block_size,
             self.heads_per_rank(tp),
             self.head_size,
             self.dtype,
-            self.packing,
-            self.order,
+            "packed" if mla else self.packing,
+            "NHD" if mla else self.order,
         )
 
     def topology_problem(self, tp: int) -> str | None:
@@ -569,8 +571,8 @@ def reader_rank(cfg: DemoConfig, rank: int, worker, kv, page_ids, emit) -> dict:
     blocks = block_table(cfg, salt=2)[: len(page_ids)].to(device)
     emit("started")
     pages = torch.tensor(page_ids, dtype=torch.int64)
-    worker.wait(worker.load(page_ids=pages, block_ids=blocks))
-    job = worker.wait(worker.load(page_ids=pages, block_ids=blocks))
+    worker.wait(worker.load(block_ids=blocks, page_ids=pages))
+    job = worker.wait(worker.load(block_ids=blocks, page_ids=pages))
     emit("loaded")
     check = compare_with_truth(cfg, cfg.reader_tp, rank, kv, blocks)
     emit("verified")
@@ -600,7 +602,9 @@ def rank_main(
         try:
             kv = allocate_kv(cfg, tp, device)
             ctx = RankContext(tp, cfg.total_kv_heads, rank)
-            worker = OffloadWorker(kv, [cfg.spec(tp)] * cfg.layers, ctx, region)
+            # The caches hold int bit patterns; the worker checks dtypes, so it gets typed views.
+            typed = [t.view(getattr(torch, cfg.dtype)) for t in kv]
+            worker = OffloadWorker(typed, [cfg.spec(tp)] * cfg.layers, ctx, region)
             body = writer_rank if role == "writer" else reader_rank
             report = body(cfg, rank, worker, kv, page_ids, emit)
             report["copy_seconds"] = plain_copy_seconds(max(report["bytes"], 1), device)
@@ -748,6 +752,7 @@ class Session:
     manager: Any = None
     hashes: list = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)  # of page_ids, read at allocate
     region_args: dict = field(default_factory=dict)
 
 
@@ -767,9 +772,9 @@ def run_writers(s: Session) -> tuple[GroupRun, int]:
         {"started": "started (caches filled)", "stored": "stored their share"},
     )
     for rank in run.reports:
-        for page in s.page_ids:
+        for page, generation in zip(s.page_ids, s.generations):
             if rank in s.manager.writer_ranks(page):
-                s.manager.complete_store(page, rank)
+                s.manager.complete_store(page, rank, generation=generation)
     return run, s.manager.lookup(s.hashes)
 
 
@@ -997,6 +1002,7 @@ def run_demo(s: Session, err: TextIO) -> dict:
     s.manager = PageManager.from_mappings(cfg.prompt_blocks, s.geometry.writer_groups)
     s.hashes = [f"prompt-block-{i}".encode() for i in range(cfg.prompt_blocks)]
     s.page_ids = s.manager.allocate(s.hashes)
+    s.generations = [s.manager.generation(page) for page in s.page_ids]
     s.region_args = dict(
         engine_id=f"demo-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         num_rows=cfg.prompt_blocks,
@@ -1011,6 +1017,9 @@ def run_demo(s: Session, err: TextIO) -> dict:
         readers = run_readers(s, ready) if ready else None
     finally:
         region.close()
+        # Readers that never attached (failed writers, nothing ready) leave the region's
+        # "closed before every rank attached" marker: this engine id is never reused.
+        SharedOffloadRegion.remove_closed_marker(s.region_args["engine_id"])
     verification = verify(cfg, writers, ready, readers)
     for run in (writers, readers):  # tracebacks in full (the FAIL lines quote their last line)
         for rank, error in sorted(run.errors.items()) if run else ():

@@ -36,17 +36,52 @@ reported, and a store that fails or whose writer dies (:meth:`PageManager.fail_s
 :meth:`PageManager.reclaim_stale`) sends the page back to ``free``: a
 half-written page is never ready, hence never served.
 
-Recency
--------
-Only ready pages with refcount 0 are eviction candidates, oldest use first.
-:meth:`~PageManager.lookup` touches the ready prefix it finds, a page turns most
-recent when it becomes ready and again when its last load is released. Batches
-are touched tail first, so the head of a prefix is the most recent and, when a
-whole prefix ages out, its tail blocks (useless without their head) go first.
+Generations: late reports never count
+-------------------------------------
+Every allocation of a page increments the page's *generation*
+(:meth:`PageManager.generation`, :attr:`PageInfo.generation`). A writer's
+report must name the generation it stored
+(``complete_store(page, rank, generation=g)``): read it right after
+:meth:`~PageManager.allocate` and hand it to the writers with the page id. A
+report for an earlier generation -- a slow writer whose store was reclaimed or
+failed, after the page went to another block -- raises :class:`PageStateError`
+instead of counting toward the new block, so a page is never reported ready
+that one of its writers did not write. The generation is required: it is the
+only thing that tells such a late report from a current one, and a caller who
+could omit it would meet the bug only in production, after the first reclaim.
+A generation cannot stop a stuck writer's *bytes* from landing late, though:
+reclaimed pages are reused only after every page already free, and the
+timeout must exceed any live store's duration.
+
+Pending pages of dead writers
+-----------------------------
+A pending page whose writer died never gets its last report. With
+``pending_timeout_s`` (default 60 s; None disables it) such pages are reclaimed
+lazily by :meth:`~PageManager.allocate`: a requested hash whose store has been
+pending longer than the timeout is allocated afresh (a new page and
+generation), and when the free pages do not cover a request, every store
+pending longer than the timeout is abandoned (its page freed, its hash
+forgotten) before any ready page is evicted. :meth:`~PageManager.fail_store`
+and :meth:`~PageManager.reclaim_stale` abandon stores explicitly.
+
+Eviction order
+--------------
+Only ready pages with refcount 0 are eviction candidates, least recently used
+first. A page is *used* by the call that allocated it, by each
+:meth:`~PageManager.lookup` that finds it in a ready prefix and by the
+:meth:`~PageManager.release` that drops its last load; becoming ready is not a
+use (a freshly stored page is as recent as its allocation). Pages used by the
+same call are equally recent, and among them the later blocks of the call go
+first: a prefix loses its tail before its head (a tail block is useless
+without its head, a head block still serves shorter prefixes). Bookkeeping is
+a heap: allocate, lookup, acquire, release and complete_store cost O(log n)
+per page of the call (plus, amortised, the stores an allocate abandons), never
+a scan of all pages.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import threading
@@ -88,16 +123,20 @@ class PageCapacityError(RuntimeError):
     evictable : int
         Ready pages with refcount 0 that the request could have evicted (pages of
         hashes in the request itself are not counted: they are never evicted by it).
+    expired : int
+        Pending pages older than ``pending_timeout_s`` that the request could
+        have reclaimed.
     """
 
-    def __init__(self, needed: int, free: int, evictable: int) -> None:
+    def __init__(self, needed: int, free: int, evictable: int, expired: int = 0) -> None:
         self.needed = needed
         self.free = free
         self.evictable = evictable
+        self.expired = expired
         super().__init__(
-            f"cannot allocate {needed} canonical page(s): only {free} free and "
-            f"{evictable} evictable (ready, unreferenced) page(s); the other pages are "
-            f"pending stores or held by loads. Nothing was allocated."
+            f"cannot allocate {needed} canonical page(s): only {free} free, {expired} "
+            f"timed-out pending and {evictable} evictable (ready, unreferenced) page(s); the "
+            f"other pages are pending stores or held by loads. Nothing was allocated."
         )
 
 
@@ -105,9 +144,11 @@ class PageStateError(ValueError):
     """A page id, rank or block hash is not valid for the requested transition.
 
     Raised for out-of-range page ids or ranks, completing a page that is not
-    pending, completing by a rank that is not an elected writer of the page or
-    that already reported, acquiring a hash that is not ready, and releasing a
-    page that is not acquired. The manager is unchanged when it is raised.
+    pending, a report naming another generation than the page's current one (a
+    late report of an abandoned store), completing by a rank that is not an
+    elected writer of the page or that already reported, acquiring a hash that
+    is not ready, and releasing a page that is not acquired. The manager is
+    unchanged when it is raised.
     """
 
 
@@ -129,6 +170,9 @@ class PageInfo:
         Ranks elected to write it (empty when free).
     pending_writers : frozenset[int]
         Writers that have not reported yet (empty unless pending).
+    generation : int
+        Allocations of the page so far (0: never allocated); the generation its
+        writers' reports must name.
     """
 
     page_id: int
@@ -137,6 +181,16 @@ class PageInfo:
     refcount: int
     writers: frozenset[int]
     pending_writers: frozenset[int]
+    generation: int
+
+
+def _seconds(name: str, value: object) -> float:
+    """A duration as a float; TypeError for non-numbers, ValueError for NaN or < 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number of seconds, got {type(value).__name__}")
+    if not value >= 0:  # also rejects NaN
+        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    return float(value)
 
 
 class _PendingStore:
@@ -164,8 +218,13 @@ class PageManager:
     num_ranks : int
         Ranks of the group (valid ``rank`` arguments are ``0 .. num_ranks - 1``), >= 1.
     clock : Callable[[], float]
-        Monotonic time source stamping allocations for :meth:`reclaim_stale`
-        (default :func:`time.monotonic`).
+        Monotonic time source stamping allocations for the pending timeout and
+        :meth:`reclaim_stale` (default :func:`time.monotonic`).
+    pending_timeout_s : float | None
+        Seconds (> 0) after which a pending store is presumed dead and
+        :meth:`allocate` may reclaim its page (see the module docstring);
+        None: only :meth:`fail_store` / :meth:`reclaim_stale` free pending pages.
+        Choose it well above any live store's duration.
 
     Notes
     -----
@@ -180,6 +239,7 @@ class PageManager:
         *,
         num_ranks: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        pending_timeout_s: float | None = 60.0,
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, minimum=1)
         self._num_ranks = check_int("num_ranks", num_ranks, minimum=1)
@@ -189,21 +249,39 @@ class PageManager:
             )
         if not callable(clock):
             raise TypeError(f"clock: expected a callable, got {type(clock).__name__}")
+        if pending_timeout_s is not None:
+            pending_timeout_s = _seconds("pending_timeout_s", pending_timeout_s)
+            if not pending_timeout_s > 0:
+                raise ValueError(
+                    f"pending_timeout_s: expected a number > 0 or None, got {pending_timeout_s!r}"
+                )
         everyone = frozenset(range(self._num_ranks))
         self._writer_ranks: Callable[[int], frozenset[int]] = (
             writer_ranks if writer_ranks is not None else (lambda _page: everyone)
         )
         self._clock = clock
+        self._pending_timeout_s = pending_timeout_s
         self._lock = threading.Lock()
         self._state: list[PageState] = [FREE] * self._num_pages
         self._hash_of: list[Hashable | None] = [None] * self._num_pages
         self._refcount: list[int] = [0] * self._num_pages
         self._writers: list[frozenset[int]] = [frozenset()] * self._num_pages
+        self._generation: list[int] = [0] * self._num_pages
         self._page_of: dict[Hashable, int] = {}
+        # Free pages, reused from the left; abandoned stores' pages go to the right,
+        # so a stuck writer's late bytes are the least likely to hit a reused page.
         self._free: deque[int] = deque(range(self._num_pages))
-        self._pending: dict[int, _PendingStore] = {}
-        # Ready pages with refcount 0, least recently used first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # In-flight stores in allocation order, hence in order of allocated_at (the
+        # clock is monotonic): the timed-out ones are a prefix.
+        self._pending: OrderedDict[int, _PendingStore] = OrderedDict()
+        # Recency: a use stamps a page with (tick of the call, -position in the call),
+        # so the smallest key is the least recent, and the tail of a call before its head.
+        self._tick = 0
+        self._last_use: list[tuple[int, int]] = [(0, 0)] * self._num_pages
+        # Ready pages with refcount 0 -> their key; the heap holds (key, page) entries,
+        # stale ones (page gone or re-keyed) skipped when they surface.
+        self._evictable: dict[int, tuple[int, int]] = {}
+        self._heap: list[tuple[int, int, int]] = []
         self._num_ready = 0
 
     @classmethod
@@ -213,6 +291,7 @@ class PageManager:
         layer_group_mappings: Sequence[Sequence[CanonicalPageMapping]],
         *,
         clock: Callable[[], float] = time.monotonic,
+        pending_timeout_s: float | None = 60.0,
     ) -> PageManager:
         """A manager whose writers of page ``p`` are the ranks electing to write it in any layer.
 
@@ -225,6 +304,8 @@ class PageManager:
             e.g. the result of ``derive_group_mappings`` for each layer. Every
             layer must list the same number of ranks.
         clock : Callable[[], float]
+            As for the constructor.
+        pending_timeout_s : float | None
             As for the constructor.
 
         Returns
@@ -278,7 +359,13 @@ class PageManager:
         def writer_ranks(page_id: int) -> frozenset[int]:
             return table_t[page_id % period]
 
-        return cls(num_pages, writer_ranks, num_ranks=num_ranks, clock=clock)
+        return cls(
+            num_pages,
+            writer_ranks,
+            num_ranks=num_ranks,
+            clock=clock,
+            pending_timeout_s=pending_timeout_s,
+        )
 
     # ----------------------------------------------------------------- properties
 
@@ -315,6 +402,11 @@ class PageManager:
         """Ready pages with refcount 0 (eviction candidates)."""
         with self._lock:
             return len(self._evictable)
+
+    @property
+    def pending_timeout_s(self) -> float | None:
+        """Seconds after which :meth:`allocate` may reclaim a pending store; None: never."""
+        return self._pending_timeout_s
 
     # ----------------------------------------------------------------- validation
 
@@ -373,14 +465,68 @@ class PageManager:
             )
         return writers
 
+    # Recency bookkeeping (callers hold the lock).
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _make_evictable(self, page: int) -> None:
+        key = self._last_use[page]
+        self._evictable[page] = key
+        heapq.heappush(self._heap, (*key, page))
+
+    def _touch(self, page: int, key: tuple[int, int]) -> None:
+        self._last_use[page] = key
+        if page in self._evictable:
+            self._make_evictable(page)  # re-keyed: its old heap entry turns stale
+
+    def _compact(self) -> None:
+        """Rebuild the heap once stale entries outnumber live ones (amortised O(1))."""
+        if len(self._heap) > 2 * len(self._evictable) + 64:
+            self._heap = [(*key, page) for page, key in self._evictable.items()]
+            heapq.heapify(self._heap)
+
+    def _pop_least_recent(self, count: int, protected: set[int]) -> list[tuple[int, int, int]]:
+        """Pop the heap entries of the ``count`` least recent evictable pages not protected.
+
+        The caller made sure there are enough; the pages stay in ``_evictable``
+        until the caller commits (or pushes the entries back).
+        """
+        taken: list[tuple[int, int, int]] = []
+        skipped: list[tuple[int, int, int]] = []
+        while len(taken) < count:
+            entry = heapq.heappop(self._heap)
+            page = entry[2]
+            if self._evictable.get(page) != entry[:2]:
+                continue  # stale: the page was re-keyed, pinned or evicted since
+            (skipped if page in protected else taken).append(entry)
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return taken
+
+    def _expired(self, now: float, max_age_s: float) -> list[int]:
+        """Pending pages allocated more than ``max_age_s`` before ``now``, oldest first."""
+        out = []
+        for page, store in self._pending.items():
+            if not now - store.allocated_at > max_age_s:
+                break  # allocation order is clock order: the rest are younger
+            out.append(page)
+        return out
+
+    def _is_expired(self, page: int, now: float) -> bool:
+        store = self._pending.get(page)
+        timeout = self._pending_timeout_s
+        return store is not None and timeout is not None and now - store.allocated_at > timeout
+
     # ----------------------------------------------------------------- scheduler API
 
     def lookup(self, block_hashes: Iterable[Hashable]) -> int:
         """Length of the longest prefix of ``block_hashes`` whose pages are ready.
 
-        The pages of that prefix are touched (most recently used, the head of
-        the prefix most recent of all). Pending pages end the prefix: they are
-        not loadable yet.
+        The pages of that prefix are used (see *Eviction order* in the module
+        docstring: equally recent, the head of the prefix evicted last). Pending
+        pages end the prefix: they are not loadable yet.
 
         Parameters
         ----------
@@ -400,9 +546,11 @@ class PageManager:
                 if page is None or self._state[page] != READY:
                     break
                 prefix.append(page)
-            for page in reversed(prefix):
-                if page in self._evictable:
-                    self._evictable.move_to_end(page)
+            if prefix:
+                tick = self._next_tick()
+                for position, page in enumerate(prefix):
+                    self._touch(page, (tick, -position))
+                self._compact()
             return len(prefix)
 
     def allocate(self, block_hashes: Iterable[Hashable]) -> list[int | None]:
@@ -411,7 +559,7 @@ class PageManager:
         Parameters
         ----------
         block_hashes : Iterable[Hashable]
-            Hashes of the blocks to store.
+            Hashes of the blocks to store, first block of the sequence first.
 
         Returns
         -------
@@ -419,56 +567,83 @@ class PageManager:
             Aligned with ``block_hashes``: a fresh page id for each hash that is
             neither pending nor ready (its store should go ahead), and None for
             a hash already present -- pending or ready -- or repeated earlier in
-            the same call (nothing to store). Present hashes are not touched.
+            the same call (nothing to store). Present hashes are not touched. A
+            hash whose store has been pending longer than ``pending_timeout_s``
+            counts as absent: its old store is abandoned and it gets a fresh page.
+            Read each new page's :meth:`generation` now, for its writers' reports.
 
         Raises
         ------
         PageCapacityError
-            When the new hashes need more pages than there are free pages plus
-            evictable ones (ready, refcount 0, and not holding a hash of this
-            request). Nothing is allocated or evicted then.
+            When the new hashes need more pages than there are free pages,
+            timed-out pending pages and evictable ones (ready, refcount 0, and not
+            holding a hash of this request). Nothing is allocated, abandoned or
+            evicted then.
 
         Notes
         -----
-        Free pages are used first, then least-recently-used evictable pages
-        (their hashes are forgotten). Pinned (acquired) and pending pages are
-        never evicted.
+        Free pages are used first; when they do not suffice, every store
+        pending longer than ``pending_timeout_s`` is abandoned and its page
+        used next; then least-recently-used evictable pages are evicted (their
+        hashes forgotten), tails of equally recent prefixes first. Pinned
+        (acquired) and live pending pages are never taken. The new pages are
+        used by this call, the first hash the most recent. Costs O(log n) per
+        hash and per page taken (plus the timed-out stores it abandons).
         """
         hashes = self._hashes(block_hashes)
         with self._lock:
+            now = self._clock()
             new: list[int] = []  # indices into hashes that need a page
+            restored: list[int] = []  # timed-out pending pages of requested hashes
             seen: set[Hashable] = set()
             for i, block_hash in enumerate(hashes):
-                if block_hash in self._page_of or block_hash in seen:
+                if block_hash in seen:
                     continue
                 seen.add(block_hash)
+                page = self._page_of.get(block_hash)
+                if page is not None:
+                    if not self._is_expired(page, now):
+                        continue
+                    restored.append(page)
                 new.append(i)
             if not new:
                 return [None] * len(hashes)
+            reclaimed = restored
+            timeout = self._pending_timeout_s
+            if timeout is not None and len(new) > len(self._free) + len(restored):
+                reclaimed = self._expired(now, timeout)  # every timed-out store, restored too
             protected = {self._page_of[h] for h in hashes if h in self._page_of}
-            num_from_free = min(len(new), len(self._free))
-            victims: list[int] = []
-            if len(new) > num_from_free:
-                wanted = len(new) - num_from_free
-                for page in self._evictable:
-                    if page not in protected:
-                        victims.append(page)
-                        if len(victims) == wanted:
-                            break
-                if len(victims) < wanted:
-                    evictable = sum(1 for p in self._evictable if p not in protected)
-                    raise PageCapacityError(len(new), len(self._free), evictable)
-            pages = list(itertools.islice(self._free, num_from_free)) + victims
-            # Ask for the writers before changing anything: a bad writer_ranks result
-            # raises with the manager untouched.
-            writers = [self._writers_for(page) for page in pages]
-            now = self._clock()
-            for _ in range(num_from_free):
+            protected.difference_update(reclaimed)
+            wanted = len(new) - len(self._free) - len(reclaimed)
+            victims: list[tuple[int, int, int]] = []
+            if wanted > 0:
+                evictable = len(self._evictable) - sum(p in self._evictable for p in protected)
+                if evictable < wanted:
+                    raise PageCapacityError(len(new), len(self._free), evictable, len(reclaimed))
+                victims = self._pop_least_recent(wanted, protected)
+            num_free = min(len(new), len(self._free))
+            num_reclaimed = min(len(new) - num_free, len(reclaimed))
+            pages = list(itertools.islice(self._free, num_free))
+            pages += reclaimed[:num_reclaimed]
+            pages += [page for *_, page in victims]
+            try:
+                # Ask for the writers before changing anything: a bad writer_ranks result
+                # raises with the manager untouched.
+                writers = [self._writers_for(page) for page in pages]
+            except BaseException:
+                for entry in victims:
+                    heapq.heappush(self._heap, entry)
+                raise
+            # Reclaimed pages join the free ones on the right: when they are used, every
+            # free page before them already is.
+            self._fail_locked(reclaimed)
+            for _ in range(num_free + num_reclaimed):
                 self._free.popleft()
-            for page in victims:
+            for *_, page in victims:
                 del self._evictable[page]
                 del self._page_of[self._hash_of[page]]
                 self._num_ready -= 1
+            tick = self._next_tick()
             out: list[int | None] = [None] * len(hashes)
             for i, page, page_writers in zip(new, pages, writers):
                 block_hash = hashes[i]
@@ -476,11 +651,14 @@ class PageManager:
                 self._hash_of[page] = block_hash
                 self._page_of[block_hash] = page
                 self._writers[page] = page_writers
+                self._generation[page] += 1
+                self._last_use[page] = (tick, -i)
                 self._pending[page] = _PendingStore(page_writers, now)
                 out[i] = page
+            self._compact()
             return out
 
-    def complete_store(self, page_id: int, rank: int) -> bool:
+    def complete_store(self, page_id: int, rank: int, *, generation: int) -> bool:
         """Record that ``rank`` finished storing its bytes of pending page ``page_id``.
 
         Parameters
@@ -490,6 +668,13 @@ class PageManager:
         rank : int
             The reporting rank; must be one of the page's elected writers that
             has not reported yet.
+        generation : int
+            The page's generation when its store was allocated
+            (:meth:`generation` right after :meth:`allocate`). Required: a
+            report of an abandoned store (failed, or reclaimed after
+            ``pending_timeout_s`` or by :meth:`reclaim_stale`) names an older
+            generation and is refused, so it never counts toward the block the
+            page holds since.
 
         Returns
         -------
@@ -499,13 +684,27 @@ class PageManager:
         Raises
         ------
         PageStateError
-            Unknown page id or rank, page not pending (free, ready, or failed
-            meanwhile), rank not an elected writer of the page, or a second
-            report by the same rank.
+            Unknown page id or rank, a generation other than the page's current
+            one, page not pending (free, ready, or failed meanwhile), rank not an
+            elected writer of the page, or a second report by the same rank.
         """
         page = self._check_page(page_id)
         rank = self._check_rank(rank)
+        generation = check_int("generation", generation, minimum=1, error=PageStateError)
         with self._lock:
+            current = self._generation[page]
+            if generation != current:
+                if generation > current:
+                    why = "that generation was never allocated"
+                else:
+                    why = (
+                        f"the store of generation {generation} was abandoned (failed or "
+                        "reclaimed) and the page allocated again; its late report does not count"
+                    )
+                raise PageStateError(
+                    f"generation: expected page {page}'s current generation {current}, "
+                    f"got {generation}: {why}"
+                )
             store = self._pending.get(page)
             if store is None:
                 raise PageStateError(
@@ -525,10 +724,12 @@ class PageManager:
             del self._pending[page]
             self._state[page] = READY
             self._num_ready += 1
-            self._evictable[page] = None  # most recently used
+            self._make_evictable(page)  # as recent as its allocation
             return True
 
-    def fail_store(self, page_ids: Iterable[int]) -> list[int]:
+    def fail_store(
+        self, page_ids: Iterable[int], *, generations: Iterable[int] | None = None
+    ) -> list[int]:
         """Abandon the stores of ``page_ids``: pending ones go back to free, hashes forgotten.
 
         For a store that failed or whose writer rank died. Pages that are not
@@ -539,6 +740,11 @@ class PageManager:
         ----------
         page_ids : Iterable[int]
             Pages whose store failed; every id must be in range.
+        generations : Iterable[int] | None
+            Aligned with ``page_ids``: the generation of each failed store. A
+            page whose current generation differs is left alone (that store was
+            abandoned already and the page holds another block now). Without
+            it, the pages' current stores are failed.
 
         Returns
         -------
@@ -548,10 +754,22 @@ class PageManager:
         Raises
         ------
         PageStateError
-            A page id out of range (nothing is failed then).
+            A page id out of range, or ``generations`` not aligned with
+            ``page_ids`` (nothing is failed then).
         """
         pages = [self._check_page(p, f"page_ids[{i}]") for i, p in enumerate(page_ids)]
+        if generations is not None:
+            gens = [
+                check_int(f"generations[{i}]", g, minimum=1, error=PageStateError)
+                for i, g in enumerate(generations)
+            ]
+            if len(gens) != len(pages):
+                raise PageStateError(
+                    f"generations: expected one per page id ({len(pages)}), got {len(gens)}"
+                )
         with self._lock:
+            if generations is not None:
+                pages = [p for p, g in zip(pages, gens) if self._generation[p] == g]
             return self._fail_locked(pages)
 
     def _fail_locked(self, pages: Iterable[int]) -> list[int]:
@@ -567,20 +785,21 @@ class PageManager:
             failed.append(page)
         return failed
 
-    def reclaim_stale(self, max_age_s: float, now: float | None = None) -> list[int]:
+    def reclaim_stale(self, max_age_s: float | None = None, now: float | None = None) -> list[int]:
         """Fail every pending page allocated more than ``max_age_s`` seconds ago.
 
         A page whose writer was killed mid-store never gets its last report;
         this frees it (it never becomes ready, so it is never served). Ready,
-        free and younger pending pages are not affected.
+        free and younger pending pages are not affected. A report of a
+        reclaimed store arriving later is refused (its generation is stale).
 
         Parameters
         ----------
-        max_age_s : float
-            Age (seconds, >= 0) beyond which a pending store is presumed dead.
-            Choose it well above any live store's duration: a writer that is
-            merely slow and reports after its page was reclaimed and handed to
-            another block would be indistinguishable from that block's writer.
+        max_age_s : float | None
+            Age (seconds, >= 0) beyond which a pending store is presumed dead;
+            default ``pending_timeout_s``. Choose it well above any live store's
+            duration: the generation refuses a slow writer's late report, but
+            cannot stop its bytes from landing in the page after it was reused.
         now : float | None
             Current time on the manager's clock; default ``clock()``.
 
@@ -589,16 +808,17 @@ class PageManager:
         list[int]
             The reclaimed (now free) pages, ascending.
         """
-        if isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float)):
-            raise TypeError(f"max_age_s: expected a number, got {type(max_age_s).__name__}")
-        if not max_age_s >= 0:  # also rejects NaN
-            raise ValueError(f"max_age_s: expected a number >= 0, got {max_age_s!r}")
+        if max_age_s is None:
+            if self._pending_timeout_s is None:
+                raise ValueError(
+                    "max_age_s: expected a number of seconds (this manager has no "
+                    "pending_timeout_s to default to), got None"
+                )
+            max_age_s = self._pending_timeout_s
+        max_age_s = _seconds("max_age_s", max_age_s)
         with self._lock:
             t = self._clock() if now is None else float(now)
-            stale = sorted(
-                page for page, store in self._pending.items() if t - store.allocated_at > max_age_s
-            )
-            return self._fail_locked(stale)
+            return sorted(self._fail_locked(self._expired(t, max_age_s)))
 
     def acquire(self, block_hashes: Iterable[Hashable]) -> list[int]:
         """Pin the ready pages of ``block_hashes`` for a load (refcount +1 each).
@@ -629,14 +849,16 @@ class PageManager:
                 pages.append(page)
             for page in pages:
                 self._refcount[page] += 1
-                self._evictable.pop(page, None)
+                self._evictable.pop(page, None)  # its heap entry turns stale
+            self._compact()
             return pages
 
     def release(self, page_ids: Iterable[int]) -> None:
         """Unpin pages acquired by :meth:`acquire` (refcount -1 each).
 
-        A page whose refcount drops to 0 becomes evictable as the most recently
-        used (the first of ``page_ids`` most recent of all).
+        A page whose refcount drops to 0 becomes evictable, used by this call
+        at the position of its first occurrence in ``page_ids`` (the first page
+        the most recent, as for :meth:`lookup`).
 
         Raises
         ------
@@ -655,11 +877,16 @@ class PageManager:
                         f"page_ids: page {page} released {count} time(s) but held by "
                         f"{self._refcount[page]} acquire(s)"
                     )
-            for page in reversed(pages):
-                self._refcount[page] -= 1
+            tick = self._next_tick()
+            first: dict[int, int] = {}
+            for position, page in enumerate(pages):
+                first.setdefault(page, position)
+            for page, count in counts.items():
+                self._refcount[page] -= count
                 if self._refcount[page] == 0:
-                    self._evictable[page] = None
-                    self._evictable.move_to_end(page)
+                    self._last_use[page] = (tick, -first[page])
+                    self._make_evictable(page)
+            self._compact()
 
     # ----------------------------------------------------------------- introspection
 
@@ -721,7 +948,21 @@ class PageManager:
                 refcount=self._refcount[page],
                 writers=self._writers[page],
                 pending_writers=frozenset(store.remaining) if store else frozenset(),
+                generation=self._generation[page],
             )
+
+    def generation(self, page_id: int) -> int:
+        """Allocations of page ``page_id`` so far: the generation its writers' reports name.
+
+        Read it right after :meth:`allocate` returned the page and hand it to the
+        writers with the page id. It changes only when the page is allocated
+        again, which needs its store to be abandoned first (by
+        :meth:`fail_store`, :meth:`reclaim_stale`, or ``pending_timeout_s``
+        seconds later by :meth:`allocate`).
+        """
+        page = self._check_page(page_id)
+        with self._lock:
+            return self._generation[page]
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the internal bookkeeping is inconsistent (for tests)."""
@@ -746,3 +987,10 @@ class PageManager:
                 assert state == READY or self._refcount[page] == 0
             for page in self._free:
                 assert states[page] == FREE
+            stamps = [store.allocated_at for store in self._pending.values()]
+            assert stamps == sorted(stamps), "pending stores out of allocation order"
+            live = {page for *key, page in self._heap if self._evictable.get(page) == tuple(key)}
+            assert live == set(self._evictable), "an evictable page has no live heap entry"
+            for page, key in self._evictable.items():
+                assert key == self._last_use[page]
+            assert all(self._generation[page] >= 1 for page in self._page_of.values())

@@ -32,28 +32,51 @@ Unlink after all attached
     unlink: it already counted.
 Close
     :meth:`SharedOffloadRegion.close` unpins, drops the tensor, unmaps and closes
-    the file. If the region never became fully attached and the path still names
-    this region, the creator's close unlinks it (ranks arriving later create a new
-    region); an attacher's close keeps its rank counted as attached (so ranks may
-    attach one after another, e.g. writers that finish before readers start) and
-    unlinks the file when the creator is dead. Callers must drop every view of
+    the file. A rank that closes stays counted as attached, so ranks may attach
+    one after another (e.g. writers that finish before readers start); it may
+    attach again later. Callers must drop every view of
     :attr:`~SharedOffloadRegion.tensor` (and of :meth:`layer_views`) for the
     mapping to be released; views still alive keep the memory mapped until they
     are garbage collected.
+Closed before all attached (the creator, or everyone, leaves early)
+    Until every rank has attached, the region lives as long as at least one
+    attached rank *holds* it (its process is alive and has not closed it). The
+    creator is not special: it may close and exit while other ranks hold the
+    region; ranks still to come attach to it and find the data. When the last
+    holder closes before all ranks attached, the data is freed and the file is
+    atomically replaced (a rename: processes still mapping the old file keep
+    valid memory) by a 4096-byte *closed marker* recording which ranks had
+    attached. A rank that arrives later raises :class:`RegionClosedError` (its
+    data is gone) instead of creating a new, empty region; the marker is
+    removed once every rank of ``world_size`` has either attached or been
+    refused. The same happens when the last holder dies without closing after
+    some rank closed: the next rank to arrive converts the file into the marker
+    and is refused. To hand data from ranks that finish early to ranks that
+    start later, keep one rank attached throughout (the demo's coordinator,
+    rank 0, holds the region from before the writers start until the readers
+    are done). A marker whose missing ranks never come stays behind (4 KiB);
+    a later run under the same engine id is refused until it is removed
+    (:meth:`SharedOffloadRegion.remove_closed_marker`).
 Crash before everyone attached (the stale case)
-    If the creator dies before all ranks attached, the file stays. The next rank
-    that finds it recognises it as stale and removes it (under the file's lock, after
-    re-checking that the path still names the same file, so only one process removes
-    it and at most one re-creates it, thanks to ``O_EXCL``); waiting ranks then
-    attach to the new region. A file is stale when
+    If every rank that attached died without closing the region before all
+    ranks attached, the file stays. The next rank that finds it recognises it as
+    stale and removes it (under the file's lock, after re-checking that the path
+    still names the same file, so only one process removes it and at most one
+    re-creates it, thanks to ``O_EXCL``); waiting ranks then attach to the new
+    region. This is how a restarted run under the same engine id recovers; a
+    late rank of the crashed run cannot be told apart from a restart. A file is
+    stale when
 
-    * its creator pid is dead (``kill(pid, 0)`` fails with ``ESRCH``, the process
-      is a zombie, or the pid was reused: its start time differs), or
+    * it is ready and every rank that attached is dead, none having closed it
+      (``kill(pid, 0)`` fails with ``ESRCH``, or the process is a zombie), or
+    * it is not ready yet and its creator is dead (as above, or the pid was
+      reused: its start time differs), or
     * its header is invalid, or it never became ready, while no process holds its
       lock, for longer than :attr:`SharedOffloadRegion.stale_grace_s` seconds.
 
-    A creator living in another pid namespace (ranks in different containers
-    sharing ``/dev/shm``) cannot be checked by pid and is assumed alive.
+    Ranks in different pid namespaces (containers sharing ``/dev/shm``) cannot
+    check each other's pids: a rank whose pid namespace differs from the
+    creator's assumes every recorded pid alive.
 
 The file layout is a 4096-byte header (so the data area stays page-aligned)
 followed by ``num_rows * row_bytes`` bytes of rows, row ``r`` at byte
@@ -80,19 +103,23 @@ import torch
 
 from ..checks import check_int
 
-__all__ = ["RegionSpaceError", "SharedOffloadRegion", "region_path"]
+__all__ = ["RegionClosedError", "RegionSpaceError", "SharedOffloadRegion", "region_path"]
 
 HEADER_BYTES = 4096
 MAGIC = b"CKVSHMR\x00"
 FORMAT_VERSION = 1
-STATE_INIT, STATE_READY = 0, 1
+# INIT: the creator is setting it up; READY: attachable; CLOSED: a header-only marker
+# left where a region was closed before all ranks attached (see the module docstring).
+STATE_INIT, STATE_READY, STATE_CLOSED = 0, 1, 2
 FILE_PREFIX = "canonical-kv-"
 PIN_CHUNK_BYTES = 1 << 30
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 # magic, version, header bytes, num_rows, row_bytes, world_size, state, creator pid,
 # creator start time (clock ticks after boot), creator pid namespace inode,
-# attach count, engine id digest (16 bytes); rank pids (int64 each) follow at 128.
+# attach count, engine id digest (16 bytes); rank pids (int64 each) follow at 128:
+# 0 never attached, > 0 attached by that pid, _CLOSED_RANK attached then closed,
+# _REFUSED_RANK arrived after the region was closed.
 _HEADER = struct.Struct("<8sIIQQIIqQQI4x16s")
 _RANKS_OFFSET = 128
 MAX_WORLD_SIZE = (HEADER_BYTES - _RANKS_OFFSET) // 8
@@ -104,6 +131,26 @@ _MAX_NAME_CHARS = 200
 
 class RegionSpaceError(OSError):
     """The shared-memory file system has too little free space for the region."""
+
+
+class RegionClosedError(RuntimeError):
+    """The region was closed before this rank attached: its data is gone.
+
+    Raised to a rank that arrives after every rank that had attached closed the
+    region before all ``world_size`` ranks attached (see the module docstring).
+
+    Attributes
+    ----------
+    path : str
+        The region file (now a header-only marker).
+    attached_ranks : list[int]
+        The ranks that had attached before the region was closed.
+    """
+
+    def __init__(self, message: str, path: str, attached_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.path = path
+        self.attached_ranks = attached_ranks
 
 
 def region_path(engine_id: str, shm_dir: str = "/dev/shm") -> str:
@@ -236,6 +283,21 @@ class _Header:
     def creator_alive(self) -> bool:
         return _process_alive(self.creator_pid, self.creator_start, self.creator_pidns)
 
+    def live_holders(self) -> list[int]:
+        """Ranks attached by a process that is alive and has not closed the region."""
+        return [
+            rank
+            for rank, pid in enumerate(self.rank_pids)
+            if pid > 0 and _process_alive(pid, 0, self.creator_pidns)
+        ]
+
+    def attached_ranks(self) -> list[int]:
+        """Ranks that attached at some point (alive, dead or closed)."""
+        return [rank for rank, pid in enumerate(self.rank_pids) if pid > 0 or pid == _CLOSED_RANK]
+
+    def num_refused(self) -> int:
+        return sum(pid == _REFUSED_RANK for pid in self.rank_pids)
+
 
 class SharedOffloadRegion:
     """A ``(num_rows, row_bytes)`` uint8 CPU region shared by all ranks of a node.
@@ -273,6 +335,9 @@ class SharedOffloadRegion:
     RegionSpaceError
         ``shm_dir`` has less free space than the region needs (nothing is left
         allocated).
+    RegionClosedError
+        Every rank that had attached closed (or left) the region before all
+        ranks attached: its data is gone (see the module docstring).
     TimeoutError
         The region did not become ready within ``attach_timeout_s``.
     ValueError
@@ -447,7 +512,11 @@ class SharedOffloadRegion:
         ]
 
     def close(self) -> None:
-        """Unpin, unmap, close the file and, if still needed, unlink it; idempotent.
+        """Unpin, unmap and close the file; idempotent.
+
+        Before all ranks attached, the last rank holding the region replaces it by
+        the closed marker (see the module docstring), so that ranks still to come
+        are refused instead of handed an empty region.
 
         Views of :attr:`tensor` that callers still hold keep the memory mapped
         until they are garbage collected (the mapping cannot be closed while they
@@ -465,6 +534,36 @@ class SharedOffloadRegion:
             finally:
                 self._release_mapping()
                 self._close_fd()
+
+    @staticmethod
+    def remove_closed_marker(engine_id: str, shm_dir: str = "/dev/shm") -> bool:
+        """Remove the closed marker of ``engine_id``, so that a new run may create the region.
+
+        Only a closed marker (a region closed before all its ranks attached; see
+        the module docstring) is removed, never a live region or anything else.
+
+        Returns
+        -------
+        bool
+            Whether a marker was removed.
+        """
+        path = region_path(engine_id, shm_dir)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # missing, or a symlink (O_NOFOLLOW)
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                return False
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            header = _Header.read(fd)
+            if header is None or header.state != STATE_CLOSED or not _same_file(path, st):
+                return False
+            os.unlink(path)
+            return True
+        finally:
+            os.close(fd)
 
     def __enter__(self) -> SharedOffloadRegion:
         return self
@@ -619,6 +718,11 @@ class SharedOffloadRegion:
                 self.path,
             )
         header = _Header.read(fd)
+        if header is not None and header.version == FORMAT_VERSION:
+            if header.state == STATE_CLOSED:
+                return self._refuse_closed(fd, st)
+            if header.state == STATE_READY and _abandoned(header):
+                return self._close_abandoned(fd, st)
         stale = self._stale_reason(header, st)
         if stale is not None:
             return self._remove_stale(fd, st, stale)
@@ -643,6 +747,8 @@ class SharedOffloadRegion:
                 header = _Header.read(fd)
                 if header is None or header.state != STATE_READY:
                     raise _Retry("the file was replaced while attaching")
+                if _abandoned(header):
+                    raise _Retry("every rank left the region while attaching")
                 previous = header.rank_pids[self.rank]
                 if previous > 0 and _process_alive(previous, 0, header.creator_pidns):
                     raise ValueError(
@@ -673,6 +779,17 @@ class SharedOffloadRegion:
         age = time.time() - max(st.st_mtime, st.st_ctime)
         if header is None:
             return f"no valid header after {age:.1f} s" if age > self.stale_grace_s else None
+        if header.version == FORMAT_VERSION and header.state == STATE_CLOSED:
+            return None  # a closed marker: late ranks are refused, never handed a new region
+        if header.version == FORMAT_VERSION and header.state == STATE_READY:
+            # A ready region lives while some attached rank holds it (its creator may have
+            # closed and exited); abandoned after a clean close is not stale either.
+            if header.live_holders() or _abandoned(header):
+                return None
+            return (
+                f"no attached rank is alive and none closed it (ranks attached: "
+                f"{header.attached_ranks()}; creator pid {header.creator_pid})"
+            )
         if not header.creator_alive():
             return f"creator pid {header.creator_pid} is dead"
         if (
@@ -699,6 +816,69 @@ class SharedOffloadRegion:
             return "stale file removed"
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _close_abandoned(self, fd: int, st: os.stat_result) -> str:
+        """Replace a ready region that no rank holds, but one closed, by the closed marker."""
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if not _same_file(self.path, st):
+                return "the file was replaced"
+            header = _Header.read(fd)
+            if header is None or header.state != STATE_READY or not _abandoned(header):
+                return "the region is held again"
+            self._write_closed_marker(header)
+            return "marked a region its ranks left as closed"
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _refuse_closed(self, fd: int, st: os.stat_result) -> str:
+        """Tell this rank the region is closed (raise); count it; unlink once all ranks know."""
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if not _same_file(self.path, st):
+                return "the closed marker was replaced"
+            header = _Header.read(fd)
+            if header is None or header.state != STATE_CLOSED:
+                return "the closed marker was replaced"
+            attached = header.attached_ranks()
+            if self.rank < len(header.rank_pids) and header.rank_pids[self.rank] == 0:
+                header.rank_pids[self.rank] = _REFUSED_RANK
+                header.write(fd)
+            if header.attach_count + header.num_refused() >= header.world_size:
+                os.unlink(self.path)  # every rank has attached or been told: nothing to keep
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        raise RegionClosedError(
+            f"shared offload region {self.path} was closed before all {header.world_size} "
+            f"ranks attached: rank(s) {attached} attached and every one of them closed or "
+            f"exited, so its data is gone and rank {self.rank} attaches too late. Keep one "
+            f"rank attached until every rank has attached (e.g. the coordinator holds the "
+            f"region open). To start over, use another engine_id or remove the marker "
+            f"(SharedOffloadRegion.remove_closed_marker({self.engine_id!r}, "
+            f"{self.shm_dir!r}))",
+            self.path,
+            attached,
+        )
+
+    def _write_closed_marker(self, header: _Header) -> None:
+        """Atomically replace the region file by a header-only CLOSED marker (lock held).
+
+        A rename, not a truncation: processes that still map the old file (views
+        kept after close) keep valid memory, freed when they unmap it.
+        """
+        header.state = STATE_CLOSED
+        tmp = f"{self.path}.closing-{os.getpid()}-{os.urandom(4).hex()}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            header.write(fd)
+            os.rename(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
 
     def _check_geometry(self, header: _Header, st: os.stat_result) -> None:
         problems = []
@@ -824,16 +1004,16 @@ class SharedOffloadRegion:
             os.close(fd)
 
     def _leave(self) -> None:
-        """On close of a not-yet-fully-attached region: withdraw, unlink if needed."""
+        """On close of a not-yet-fully-attached region: withdraw; the last holder closes it."""
         fd, st = self._fd, self._stat
         assert st is not None
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             if not _same_file(self.path, st):
-                return
+                return  # unlinked once all attached, or replaced
             header = _Header.read(fd)
-            if self.is_creator or header is None or not header.creator_alive():
-                os.unlink(self.path)
+            if header is None or header.state != STATE_READY:
+                os.unlink(self.path)  # not a region anyone can attach: nothing to keep
                 self._unlinked = True
                 return
             if header.rank_pids[self.rank] == os.getpid():
@@ -841,12 +1021,23 @@ class SharedOffloadRegion:
                 # another); -1 marks "attached, now closed" so a re-attach of the
                 # same rank is not counted twice.
                 header.rank_pids[self.rank] = _CLOSED_RANK
-                header.write(fd)
+            if header.live_holders():
+                header.write(fd)  # others hold it: it stays until every rank attached
+                return
+            # The last holder leaves before all ranks attached: free the data, but leave
+            # a marker so that ranks still to come are told instead of starting afresh.
+            self._write_closed_marker(header)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
 
+def _abandoned(header: _Header) -> bool:
+    """A ready region that no live rank holds, after at least one rank closed it."""
+    return any(pid == _CLOSED_RANK for pid in header.rank_pids) and not header.live_holders()
+
+
 _CLOSED_RANK = -1
+_REFUSED_RANK = -2
 
 
 class _Retry(Exception):

@@ -38,16 +38,14 @@ class Model:
     def specs(self, topo: Topo):
         from layouts import LayerSpec
 
-        heads = 1 if self.attention == "mla" else max(1, self.total_heads // topo.tp)
+        mla = self.attention == "mla"
+        heads = 1 if mla else max(1, self.total_heads // topo.tp)
+        # An MLA latent cache has one layout, which LayerSpec.from_tensor (and the worker's
+        # check) calls packed NHD, whatever the model's packing and order for full attention.
+        packing, order = ("packed", "NHD") if mla else (self.packing, self.order)
         return [
             LayerSpec(
-                self.attention,
-                self.canonical_tokens // topo.cp,
-                heads,
-                hs,
-                dtype,
-                self.packing,
-                self.order,
+                self.attention, self.canonical_tokens // topo.cp, heads, hs, dtype, packing, order
             )
             for hs, dtype in self.layers
         ]
@@ -102,10 +100,10 @@ def run_rank(task: dict) -> dict:
                 # between layers' worth of work, so it never reports.
                 task["announce"].put(os.getpid())
                 time.sleep(60)
-            job = worker.wait(worker.store(blocks, pages))
+            job = worker.wait(worker.store(block_ids=blocks, page_ids=pages))
             result.update(bytes=job.num_bytes)
         else:
-            job = worker.wait(worker.load(pages, blocks))
+            job = worker.wait(worker.load(block_ids=blocks, page_ids=pages))
             bad = []
             for layer, cache in enumerate(caches):
                 got = cache.host_bytes()
