@@ -142,7 +142,8 @@ def normalize_key(key: Any) -> bytes:
             raise ValueError(f"key: expected a str encodable as UTF-8, got {key!r}") from None
     elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
         value = int(key)
-        words = max(1, (value.bit_length() + 1 + 63) // 64)  # +1: room for the sign bit
+        magnitude = value if value >= 0 else ~value  # two's complement: -2**63 fits 8 bytes
+        words = max(1, (magnitude.bit_length() + 1 + 63) // 64)  # +1: room for the sign bit
         if 8 * words > MAX_KEY_BYTES:
             raise ValueError(f"key: expected an int of at most {MAX_KEY_BYTES} bytes, got {key!r}")
         raw = value.to_bytes(8 * words, "big", signed=True)

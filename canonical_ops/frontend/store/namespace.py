@@ -97,10 +97,13 @@ def _json_value(value: Any, path: str) -> Any:
     )
 
 
-def canonical_json(value: Any) -> str:
-    """The canonical JSON text of ``value`` (the input of every digest here)."""
+def canonical_json(value: Any, name: str = "value") -> str:
+    """The canonical JSON text of ``value`` (the input of every digest here).
+
+    ``name`` is the argument named in errors.
+    """
     return json.dumps(
-        _json_value(value, "value"),
+        _json_value(value, name),
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=True,
@@ -150,7 +153,7 @@ class ModelIdentity:
         if not isinstance(self.extra, Mapping):
             raise TypeError(f"extra: expected a mapping, got {type(self.extra).__name__}")
         # A canonical deep copy: later changes to the caller's dict cannot move the digest.
-        frozen = json.loads(canonical_json(self.extra))
+        frozen = json.loads(canonical_json(self.extra, "extra"))
         object.__setattr__(self, "extra", MappingProxyType(frozen))
 
     def describe(self) -> dict[str, Any]:
