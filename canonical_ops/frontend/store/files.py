@@ -726,11 +726,11 @@ class FileStore:
         tmp = os.path.join(self._tmp_dir, f"{self._tmp_prefix}{secrets.token_hex(8)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, [text], tmp)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
+            try:
+                _write_all(fd, [text], tmp)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(FileNotFoundError):
@@ -742,6 +742,7 @@ class FileStore:
         """Rebuild the index from disk (headers only) and clean leftovers; corrupt found."""
         removed = clean_stale_temps(self.directory, self.stale_tmp_s)
         corrupt_before = self.metrics().corrupt_detected
+        scan_start = time.time_ns()
         found: list[_Entry] = []
         for unit in iter_unit_files(self.directory):
             if not unit.well_named:
@@ -751,6 +752,11 @@ class FileStore:
                 found.append(entry)
         found.sort(key=lambda e: e.last_used)
         with self._lock:
+            # Units this process stored while the scan ran may have been missed by it.
+            seen = {entry.ident for entry in found}
+            found += [
+                e for e in self._lru.values() if e.last_used >= scan_start and e.ident not in seen
+            ]
             self._lru.clear()
             self._by_key.clear()
             self._bytes = 0
