@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from store_helpers import row, small_namespace, unit_files
 
 from canonical_ops.frontend.store import (
@@ -494,3 +498,74 @@ def test_full_tmpfs_fails_stores_cleanly_and_keeps_loading(tmp_path) -> None:
             assert s.store(9, 0, row(ns, 9), 0).ok
     finally:
         os.system(f"umount {mnt}")
+
+
+# ---------------------------------------------------------------------- properties
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    splits=st.lists(
+        st.lists(st.integers(1, 31), max_size=4).map(lambda cuts: sorted(set(cuts))),
+        min_size=1,
+        max_size=3,
+    ),
+    drop=st.lists(st.integers(0, 12), max_size=3),
+    first=st.integers(0, 31),
+    length=st.integers(1, 32),
+)
+def test_any_stored_splits_serve_any_covered_range(splits, drop, first, length) -> None:
+    """Stages of several pipeline splits store units; a reader of any range gets exact bytes
+    exactly when the stored units cover it."""
+    end = min(32, first + length)
+    units = set()
+    for cuts in splits:
+        bounds = [0, *cuts, 32]
+        units |= set(itertools.pairwise(bounds))
+    units = sorted(units)
+    for index in sorted(set(drop), reverse=True):  # some stages never stored theirs
+        if index < len(units):
+            units.pop(index)
+    covered, position = True, first
+    while position < end:
+        reach = max((e for f, e in units if f <= position < e), default=None)
+        if reach is None:
+            covered = False
+            break
+        position = reach
+    with tempfile.TemporaryDirectory() as root, FileStore(root, NS, fsync=False) as store:
+        for f, e in units:
+            assert store.store(b"k", f, row(NS, 3, f, e), 0).ok
+        assert store.lookup([b"k"], first, end) == int(covered)
+        dest = np.zeros(NS.layer_bytes(first, end), np.uint8)
+        job = store.load(b"k", first, end, dest)
+        assert job.status == ("ok" if covered else "miss")
+        if covered:
+            assert np.array_equal(dest, row(NS, 3, first, end))
+
+
+@given(
+    entries=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 50), st.integers(1, 100)),
+        min_size=1,
+        max_size=40,
+    ),
+    need=st.integers(1, 3000),
+)
+def test_eviction_plan(entries, need) -> None:
+    """Oldest recency bucket first; within a bucket, highest prefix position first."""
+    lru = [
+        files_mod._Entry(f"{i:032x}", 0, 1, size, position, bucket * 10 + i % 10)
+        for i, (bucket, position, size) in enumerate(sorted(entries))
+    ]
+    victims = files_mod._plan_eviction(iter(lru), need, granularity_ns=10)
+    freed = sum(v.size for v in victims)
+    total = sum(e.size for e in lru)
+    assert freed >= min(need, total)
+    assert freed - victims[-1].size < need  # no victim beyond what was needed
+    chosen = {id(v) for v in victims}
+    survivors = [e for e in lru if id(e) not in chosen]
+    for victim in victims:
+        for survivor in survivors:
+            vb, sb = victim.last_used // 10, survivor.last_used // 10
+            assert vb < sb or (vb == sb and victim.position >= survivor.position)
