@@ -122,3 +122,12 @@ def test_arguments(kwargs, error) -> None:
     JobPool(threads=np.int64(1), queue_depth=np.int32(1)).close()
     with pytest.raises(ValueError, match="status"):
         JobOutcome("done")
+
+
+def test_waited_jobs_do_not_pile_up_unpolled() -> None:
+    with JobPool(threads=2, queue_depth=64) as pool:
+        for _ in range(50):
+            assert pool.wait(pool.submit("w", lambda: None)).ok
+        time.sleep(0.05)
+        assert pool.poll() == []
+        assert pool._finished == {}

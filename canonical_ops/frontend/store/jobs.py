@@ -198,7 +198,8 @@ class JobPool:
         self.queue_depth = _check_count("queue_depth", queue_depth, 1)
         self._queue: queue.Queue[IOJob | None] = queue.Queue(maxsize=self.queue_depth)
         self._lock = threading.Lock()
-        self._finished: list[IOJob] = []
+        # Finished, not yet collected by poll() or wait(); insertion-ordered by job id.
+        self._finished: dict[int, IOJob] = {}
         self._ids = itertools.count()
         self._closed = False
         self._counts = dict(submitted=0, refused=0, finished=0, errors=0, cancelled=0, running=0)
@@ -252,7 +253,7 @@ class JobPool:
     def poll(self) -> list[IOJob]:
         """Jobs finished since the last poll (never blocks); waited-for jobs excluded."""
         with self._lock:
-            finished = [job for job in self._finished if not job._collected]
+            finished = list(self._finished.values())
             for job in finished:
                 job._collected = True
             self._finished.clear()
@@ -272,6 +273,7 @@ class JobPool:
             raise TimeoutError(f"job {job.job_id} ({job.kind}) not finished after {timeout} s")
         with self._lock:
             job._collected = True
+            self._finished.pop(job.job_id, None)  # waited-for jobs never pile up unpolled
         return job
 
     def stats(self) -> PoolStats:
@@ -302,7 +304,8 @@ class JobPool:
                 self._counts["running"] -= 1
                 self._counts["finished"] += 1
                 self._counts["errors"] += job.status == "error"
-                self._finished.append(job)
+                if not job._collected:
+                    self._finished[job.job_id] = job
 
     # ------------------------------------------------------------------ shutdown
 
@@ -337,7 +340,7 @@ class JobPool:
                     job.detail = "cancelled by close()"
                     job.finished_at = time.perf_counter()
                     self._counts["cancelled"] += 1
-                    self._finished.append(job)
+                    self._finished[job.job_id] = job
                 job._done.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in self._workers:
