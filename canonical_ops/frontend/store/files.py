@@ -177,8 +177,8 @@ def _pid_namespace() -> int:
 
 def _writer_alive(pidns: int, pid: int, start: int) -> bool | None:
     """Whether the temp file's writer may still run; None when unknowable (other pid ns)."""
-    if pidns != _pid_namespace():
-        return None
+    if pidns != _pid_namespace() or _proc_start_ticks("self") is None:
+        return None  # another pid namespace, or no /proc: only age can tell
     ticks = _proc_start_ticks(pid)
     return ticks is not None and ticks == start
 
