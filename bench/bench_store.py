@@ -227,6 +227,7 @@ class Case:
 
 def run(args) -> dict:
     base = tempfile.mkdtemp(prefix="bench-store-", dir=args.dir)
+    load_before = os.getloadavg()
     results = []
     try:
         for name, model in MODELS.items():
@@ -283,6 +284,8 @@ def run(args) -> dict:
         directory_fs=_fs_of(args.dir or tempfile.gettempdir()),
         repeats=args.repeats,
         threads=args.threads,
+        # Other users of the machine: a busy machine makes every figure noisier.
+        load_average_before_after=[round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         results=results,
     )
 
@@ -328,7 +331,9 @@ def markdown(report: dict) -> str:
         "",
         f"{report['machine']}, Python {report['python']}, xxhash {report['xxhash']}, "
         f"{report['date']}; `{report['command']}`; files on {report['directory_fs']}; "
-        f"best of {report['repeats']}, round-robin; pool of {report['threads']} threads.",
+        f"best of {report['repeats']}, round-robin; pool of {report['threads']} threads; "
+        f"1-min load average before/after: {report['load_average_before_after']} "
+        "(other users of the machine).",
         "",
         "GB/s of payload. `1T/files` = tier (one thread, inline) vs one plain file per unit "
         "(goal >= 0.9x); `pool/stream` = tier through its job pool vs one plain sequential "

@@ -133,6 +133,8 @@ def normalize_key(key: Any) -> bytes:
         Empty or longer than 1024 bytes once encoded, or a str that is not
         encodable as UTF-8.
     """
+    if type(key) is bytes and 1 <= len(key) <= MAX_KEY_BYTES:
+        return key  # the common case (vLLM block hashes), without a copy
     if isinstance(key, (bytes, bytearray, memoryview)):
         raw = bytes(key)
     elif isinstance(key, str):
@@ -171,6 +173,10 @@ def as_byte_view(obj: Any, *, writable: bool = False, name: str = "buffer") -> m
     name : str
         Argument name for error messages.
     """
+    if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous:
+        if writable and obj.readonly:
+            raise ValueError(f"{name}: expected writable memory, got a read-only buffer")
+        return obj  # already flat bytes: the tiers pass views along
     if type(obj).__module__.split(".")[0] == "torch" and hasattr(obj, "untyped_storage"):
         torch = sys.modules["torch"]
         if obj.device.type != "cpu":

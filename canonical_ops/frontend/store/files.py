@@ -136,7 +136,7 @@ def key_digest(key: Any) -> str:
 
 def unit_path(namespace_dir: str, kd: str, first: int, end: int) -> str:
     """Path of the unit of key digest ``kd`` and layers ``[first, end)``."""
-    return os.path.join(namespace_dir, kd[:2], kd, f"{first}-{end}{UNIT_SUFFIX}")
+    return f"{namespace_dir}/{kd[:2]}/{kd}/{first}-{end}{UNIT_SUFFIX}"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

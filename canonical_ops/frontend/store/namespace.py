@@ -606,6 +606,8 @@ class StoreNamespace:
         return self._prefix[-1]
 
     def _range(self, first: Any, end: Any) -> tuple[int, int]:
+        if type(first) is int and type(end) is int and 0 <= first < end <= len(self.layers):
+            return first, end  # hot path of every store and load
         first = _check_int("first", first, 0, self.num_layers - 1)
         end = _check_int("end", end, first + 1, self.num_layers)
         return first, end
