@@ -100,6 +100,7 @@ from canonical_ops.frontend.store import FileStore
 root, go = sys.argv[1], sys.argv[2]
 ns = small_namespace(32, head_size=64)
 store = FileStore(root, ns, fsync=False, threads=2, queue_depth=256)
+print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.001)
 jobs = []
@@ -118,7 +119,8 @@ def test_two_processes_storing_the_same_keys(tmp_path) -> None:
     root = tmp_path / "store"
     root.mkdir()
     procs = [start_child(RACING_WRITER, str(root), str(go)) for _ in range(2)]
-    time.sleep(1.0)  # both children imported and waiting: they start together
+    for proc in procs:  # both imported and waiting: they start together
+        assert read_line(proc).strip() == "ready"
     go.write_text("")
     results = []
     for proc in procs:
