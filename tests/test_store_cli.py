@@ -120,7 +120,10 @@ def test_gc_keeps_heads(tmp_path, capsys) -> None:
     with FileStore(tmp_path, NS, fsync=False) as store:
         for position in range(6):
             store.store(position, 0, row(NS, position), position)
-        unit = os.path.getsize(unit_files(store)[0])
+        paths = unit_files(store)
+    unit = os.path.getsize(paths[0])
+    for path in paths:  # equally recent (gc's recency is quantised to 1 s): tails go first
+        os.utime(path, (1_700_000_000, 1_700_000_000))
     code, _, _ = run(capsys, "gc", str(tmp_path), "--capacity", f"{3 * unit}B")
     assert code == 0
     with FileStore(tmp_path, NS, fsync=False) as store:

@@ -367,7 +367,7 @@ def test_quarantine_is_bounded(tmp_path) -> None:
 
 def test_eviction_is_tail_first_among_equally_recent(tmp_path) -> None:
     with FileStore(
-        tmp_path, NS, fsync=False, capacity_bytes=5 * UNIT, recency_granularity_s=3600
+        tmp_path, NS, fsync=False, capacity_bytes=5 * UNIT, recency_granularity_s=1e12
     ) as s:
         for position in range(8):
             assert s.store(position, 0, row(NS, position), position).ok
@@ -404,7 +404,7 @@ def test_a_unit_larger_than_the_capacity_fails_cleanly(tmp_path) -> None:
 
 
 def test_gc_to_a_capacity_and_of_leftover_temps(tmp_path) -> None:
-    with FileStore(tmp_path, NS, fsync=False, recency_granularity_s=3600) as s:
+    with FileStore(tmp_path, NS, fsync=False, recency_granularity_s=1e12) as s:
         for position in range(6):
             s.store(position, 0, row(NS, position), position)
         tmp_dir = os.path.join(s.directory, "tmp")

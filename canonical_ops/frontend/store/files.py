@@ -83,7 +83,7 @@ from .encoding import (
     peek_header,
 )
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
-from .namespace import StoreNamespace, canonical_json
+from .namespace import StoreNamespace
 
 __all__ = [
     "NAMESPACE_FILE",
@@ -308,7 +308,9 @@ class StoreMetrics:
     bytes_on_disk: int = 0
 
 
-_COUNTERS = tuple(f.name for f in fields(StoreMetrics) if f.name not in ("units_on_disk",))
+_COUNTERS = tuple(
+    f.name for f in fields(StoreMetrics) if f.name not in ("units_on_disk", "bytes_on_disk")
+)
 
 
 @dataclass(frozen=True)
@@ -1356,8 +1358,3 @@ class _UnitBad(Exception):
     def __init__(self, entry: _Entry, reason: str) -> None:
         self.entry = entry
         self.reason = reason
-
-
-def namespace_text(namespace: StoreNamespace) -> str:
-    """The canonical JSON text hashed into the namespace digest (for tools)."""
-    return canonical_json(namespace.describe())
