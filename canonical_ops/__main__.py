@@ -1,4 +1,4 @@
-"""Command line of canonical_ops: `python -m canonical_ops demo [...]`.
+"""Command line of canonical_ops: `python -m canonical_ops demo|store [...]`.
 
 A usage error is one line on stderr and exit status 2.
 """
@@ -10,10 +10,11 @@ import sys
 
 PROG = "python -m canonical_ops"
 USAGE = (
-    f"usage: {PROG} demo [--help] [flags]\n\n"
+    f"usage: {PROG} {{demo,store}} [--help] [flags]\n\n"
     "commands:\n"
     "  demo   TP=4 writers store a prompt's KV in canonical pages, TP=2 readers load it and\n"
-    "         verify it bit for bit against the unsharded truth (`demo --help`: flags, presets)"
+    "         verify it bit for bit against the unsharded truth (`demo --help`: flags, presets)\n"
+    "  store  stats|verify|gc DIR: inspect and maintain a persistent page store"
 )
 
 
@@ -23,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if not argv:
-        print(f"{PROG}: error: a command is required: demo (see --help)", file=sys.stderr)
+        print(f"{PROG}: error: a command is required: demo or store (see --help)", file=sys.stderr)
         return 2
     if argv[0] == "demo":
         from .frontend.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[0] == "store":
+        from .frontend.store.cli import main as store_main
+
+        return store_main(argv[1:])
     print(f"{PROG}: error: unknown command {argv[0]!r}; try `{PROG} --help`", file=sys.stderr)
     return 2
 

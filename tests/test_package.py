@@ -19,6 +19,7 @@ LIGHT_IMPORTS = (
     "canonical_ops.frontend",
     "canonical_ops.frontend.page_manager",
     "canonical_ops.frontend.shared_region",
+    "canonical_ops.frontend.store",
     "canonical_ops.vllm",
 )
 

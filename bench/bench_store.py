@@ -1,0 +1,421 @@
+"""Throughput of the file tier (FileStore) vs plain file I/O of the same bytes.
+
+Goals (issue #13): store and load through the tier at >= 0.9x a plain
+sequential write / read of the same bytes on the same file system, measured in
+the same run, with the checksum <= 10% of the tier's time.
+
+Unit sizes (one region row = one unit):
+  * llama3-8b-like: 32 layers x 64 KiB canonical pages (8 KV heads, head 128,
+    bf16, 16 tokens) = 2 MiB per unit;
+  * deepseek-v3-like MLA: 61 layers x 72 KiB pages (576-wide latent, bf16,
+    64 tokens) = 4.3 MiB per unit.
+
+What is timed, per (model, fsync on/off), side by side and round-robin, best
+of ``--repeats`` (each write is followed, untimed, by a write-back of its
+files, so no writer is throttled for another's dirty pages; every write goes
+to a new directory and nothing is deleted within a case, since freeing blocks
+stalls the next journal commits):
+  * plain files   one file per unit: open, write (or read) the payload, [fdatasync], close;
+  * plain stream  one big file: the same bytes as one sequential write/read, [one
+                  fdatasync at the end];
+  * tier 1T       FileStore.store()/load() inline, one unit after the other
+                  (header, xxh3 over the payload, temp file, [fdatasync], link,
+                  [directory fsync]; load: preadv + verify);
+  * tier pool     FileStore.submit_store()/submit_load() through its job pool
+                  (``--threads``), all units queued then waited for;
+  * checksum      xxh3-128 alone over the same payloads (one thread).
+
+Rows (sources and destinations) are page aligned, as a region in /dev/shm is.
+
+Page cache, said plainly: writes go to the page cache; with fsync they also
+reach the device before a unit counts. "warm" loads read files still in the
+page cache (memory copies: the CPU cost, where a checksum weighs most). "cold"
+loads first evict exactly our files from the page cache (fdatasync then
+posix_fadvise DONTNEED, untimed; nothing global is dropped) so they come from
+the device; a virtual disk may still be cached by its host. GB/s = payload
+bytes / seconds (headers, < 0.1% of a unit, are not counted).
+
+Usage: python bench/bench_store.py [--quick] [--out DIR] [--dir PATH] [--mib N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import xxhash
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from canonical_ops.frontend.store import FileStore, ModelIdentity, StoreNamespace
+from layouts import LayerSpec, RankContext
+
+MODELS = {
+    "llama3-8b-like": dict(
+        spec=LayerSpec("full", 16, 8, 128, "bfloat16", "packed", "NHD"),
+        ctx=RankContext(1, 8, 0),
+        layers=32,
+    ),
+    "deepseek-v3-like (MLA)": dict(
+        spec=LayerSpec("mla", 64, 1, 576, "bfloat16", "packed", "NHD"),
+        ctx=RankContext(1, 1, 0),
+        layers=61,
+    ),
+}
+METHODS = ("plain files", "plain stream", "tier 1T", "tier pool")
+# The tier opens units with O_NOATIME (no inode update per read); so does the baseline.
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+
+
+def _aligned(rows: int, row_bytes: int) -> np.ndarray:
+    """A (rows, row_bytes) uint8 array in anonymous mmap memory, prefaulted."""
+    memory = mmap.mmap(-1, rows * row_bytes)
+    array = np.frombuffer(memory, np.uint8).reshape(rows, row_bytes)
+    array[:] = 1  # fault every page in now, not inside a timed section
+    return array
+
+
+def _sync_files(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+
+def _evict_from_page_cache(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _list_files(root: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(root):
+        out += [os.path.join(dirpath, n) for n in names]
+    return out
+
+
+class Case:
+    """One model x fsync setting: its payload rows, directories and timed operations."""
+
+    def __init__(self, name: str, model: dict, fsync: bool, mib: int, base: str, threads: int):
+        self.name, self.fsync, self.threads = name, fsync, threads
+        self.ns = StoreNamespace.from_specs(
+            ModelIdentity(name), [model["spec"]] * model["layers"], model["ctx"]
+        )
+        self.unit = self.ns.total_bytes
+        self.count = max(4, (mib << 20) // self.unit)
+        # Page-aligned rows, as a real region (an mmap) has them: copy speed depends on
+        # the alignment of source and destination, and numpy's own allocations are not.
+        self.rows = _aligned(self.count, self.unit)
+        self.rows[:] = np.random.default_rng(0).integers(0, 256, self.rows.shape, dtype=np.uint8)
+        self.dest = _aligned(self.count, self.unit)
+        self.base = base
+        self.dirs: dict[str, str] = {}  # the latest directory written by each method
+        self._rounds = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.unit
+
+    def _fresh(self, method: str) -> str:
+        # A new directory each time, nothing deleted until the case ends: freeing extents
+        # (with online discard) stalls the next journal commits, i.e. the next writer.
+        self._rounds += 1
+        path = os.path.join(self.base, f"{method.replace(' ', '_')}-{self._rounds}")
+        os.makedirs(path)
+        self.dirs[method] = path
+        return path
+
+    def _store(self, root: str, threads: int) -> FileStore:
+        return FileStore(
+            root, self.ns, fsync=self.fsync, threads=threads, queue_depth=self.count + 1
+        )
+
+    # ----------------------------------------------------------------- writes
+
+    def write(self, method: str) -> float:
+        root = self._fresh(method)
+        if method.startswith("tier"):
+            store = self._store(root, self.threads if method == "tier pool" else 1)
+            try:
+                start = time.perf_counter()
+                if method == "tier 1T":
+                    jobs = [store.store(i, 0, self.rows[i], i) for i in range(self.count)]
+                else:
+                    jobs = [store.submit_store(i, 0, self.rows[i], i) for i in range(self.count)]
+                    jobs = [store.wait(j) for j in jobs]
+                elapsed = time.perf_counter() - start
+            finally:
+                store.close()
+            bad = [j for j in jobs if not j.ok]
+            assert not bad, bad[0].detail
+            return elapsed
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        start = time.perf_counter()
+        if method == "plain files":
+            for i in range(self.count):
+                fd = os.open(os.path.join(root, f"{i}.bin"), flags, 0o644)
+                os.write(fd, self.rows[i])
+                if self.fsync:
+                    os.fdatasync(fd)
+                os.close(fd)
+        else:
+            fd = os.open(os.path.join(root, "stream.bin"), flags, 0o644)
+            for i in range(self.count):
+                os.write(fd, self.rows[i])
+            if self.fsync:
+                os.fdatasync(fd)
+            os.close(fd)
+        return time.perf_counter() - start
+
+    # ----------------------------------------------------------------- reads
+
+    def read(self, method: str, cold: bool) -> float:
+        root = self.dirs[method]
+        if cold:
+            _evict_from_page_cache(_list_files(root))
+        self.dest[:] = 0
+        if method.startswith("tier"):
+            store = self._store(root, self.threads if method == "tier pool" else 1)
+            try:
+                if cold:  # the start-up scan read headers: drop them again
+                    _evict_from_page_cache(_list_files(root))
+                start = time.perf_counter()
+                if method == "tier 1T":
+                    jobs = [store.load(i, 0, self.ns.num_layers, self.dest[i]) for i in range(self.count)]  # fmt: skip
+                else:
+                    jobs = [store.submit_load(i, 0, self.ns.num_layers, self.dest[i]) for i in range(self.count)]  # fmt: skip
+                    jobs = [store.wait(j) for j in jobs]
+                elapsed = time.perf_counter() - start
+            finally:
+                store.close()
+            bad = [j for j in jobs if not j.ok]
+            assert not bad, bad[0].detail
+        else:
+            start = time.perf_counter()
+            if method == "plain files":
+                for i in range(self.count):
+                    fd = os.open(os.path.join(root, f"{i}.bin"), READ_FLAGS)
+                    n = os.preadv(fd, [self.dest[i]], 0)
+                    os.close(fd)
+                    assert n == self.unit
+            else:
+                fd = os.open(os.path.join(root, "stream.bin"), READ_FLAGS)
+                for i in range(self.count):
+                    assert os.preadv(fd, [self.dest[i]], i * self.unit) == self.unit
+                os.close(fd)
+            elapsed = time.perf_counter() - start
+        assert np.array_equal(self.dest[-1], self.rows[-1])
+        return elapsed
+
+    def checksum(self) -> float:
+        start = time.perf_counter()
+        for i in range(self.count):
+            xxhash.xxh3_128(self.rows[i]).digest()
+        return time.perf_counter() - start
+
+
+def run(args) -> dict:
+    base = tempfile.mkdtemp(prefix="bench-store-", dir=args.dir)
+    load_before = os.getloadavg()
+    os.sync()  # untimed: start without anyone's pending write-back
+    results = []
+    try:
+        for name, model in MODELS.items():
+            for fsync in (False, True):
+                case = Case(name, model, fsync, args.mib, os.path.join(base, "c"), args.threads)
+                times = {f"{op} {m}": [] for op in ("store", "load warm", "load cold") for m in METHODS}  # fmt: skip
+                times["checksum"] = []
+                for r in range(args.repeats):
+                    # Round-robin, each round starting one method later: no method always
+                    # runs first (or last) in a round.
+                    for method in METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]:
+                        times[f"store {method}"].append(case.write(method))
+                        # Untimed: write our dirty pages back now, so that the next writer
+                        # is not throttled for this one's (the kernel's dirty limits).
+                        _sync_files(_list_files(case.dirs[method]))
+                        times[f"load warm {method}"].append(case.read(method, cold=False))
+                        times[f"load cold {method}"].append(case.read(method, cold=True))
+                    times["checksum"].append(case.checksum())
+                best = {k: min(v) for k, v in times.items()}
+                gbps = {k: case.nbytes / v / 1e9 for k, v in best.items()}
+                row = dict(
+                    model=name,
+                    fsync=fsync,
+                    unit_bytes=case.unit,
+                    layers=case.ns.num_layers,
+                    units=case.count,
+                    bytes=case.nbytes,
+                    best_s=best,
+                    gbps=gbps,
+                    all_s=times,
+                )
+                for op in ("store", "load warm", "load cold"):
+                    row[f"{op} ratio tier 1T / plain files"] = (
+                        best[f"{op} plain files"] / best[f"{op} tier 1T"]
+                    )
+                    row[f"{op} ratio tier pool / plain files"] = (
+                        best[f"{op} plain files"] / best[f"{op} tier pool"]
+                    )
+                    row[f"{op} ratio tier pool / plain stream"] = (
+                        best[f"{op} plain stream"] / best[f"{op} tier pool"]
+                    )
+                    row[f"{op} checksum share (tier 1T)"] = best["checksum"] / best[f"{op} tier 1T"]
+                results.append(row)
+                shutil.rmtree(case.base, ignore_errors=True)
+                os.sync()  # untimed: the deletions' journal work is done before the next case
+                print_row(row)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return dict(
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        python=platform.python_version(),
+        xxhash=xxhash.VERSION,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        command="python bench/bench_store.py " + " ".join(sys.argv[1:]),
+        directory_fs=_fs_of(args.dir or tempfile.gettempdir()),
+        repeats=args.repeats,
+        threads=args.threads,
+        # Other users of the machine: a busy machine makes every figure noisier.
+        load_average_before_after=[round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        results=results,
+    )
+
+
+def _fs_of(path: str) -> str:
+    path = os.path.realpath(path)
+    best = ("?", "?", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if path.startswith(mnt) and len(mnt) >= len(best[2]):
+                    best = (dev, fstype, mnt)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[0]} (mounted at {best[2]})"
+
+
+HEADER = (
+    f"{'model':<24}{'fsync':<6}{'op':<10}{'plain files':>12}{'plain stream':>13}"
+    f"{'tier 1T':>9}{'tier pool':>10}{'1T/files':>9}{'pool/files':>11}{'cksum':>7}"
+)
+
+
+def print_row(row: dict) -> None:
+    if not getattr(print_row, "printed", False):
+        print(HEADER)
+        print_row.printed = True
+    for op in ("store", "load warm", "load cold"):
+        g = row["gbps"]
+        print(
+            f"{row['model'][:23]:<24}{'on' if row['fsync'] else 'off':<6}{op:<10}"
+            + "".join(f"{g[f'{op} {m}']:>{w}.2f}" for m, w in zip(METHODS, (12, 13, 9, 10)))
+            + f"{row[f'{op} ratio tier 1T / plain files']:>8.2f}x"
+            + f"{row[f'{op} ratio tier pool / plain files']:>10.2f}x"
+            + f"{100 * row[f'{op} checksum share (tier 1T)']:>6.1f}%"
+        )
+
+
+def _goals(report: dict) -> list[str]:
+    """One line per (op, fsync): the goal, each model's figure, met or not."""
+    lines = ["## Goals", "", "| goal | case | measured | met |", "| --- | --- | --- | --- |"]
+    for op in ("store", "load cold", "load warm"):
+        for fsync in (True, False):
+            rows = [r for r in report["results"] if r["fsync"] == fsync]
+            for kind in ("tier pool", "tier 1T"):
+                ratios = [r[f"{op} ratio {kind} / plain files"] for r in rows]
+                text = ", ".join(f"{r['model'].split()[0]} {x:.2f}x" for r, x in zip(rows, ratios))
+                met = "yes" if min(ratios) >= 0.9 else "**no**"
+                lines.append(
+                    f"| {op} >= 0.9x plain files | {kind}, fsync {'on' if fsync else 'off'} "
+                    f"| {text} | {met} |"
+                )
+            shares = [r[f"{op} checksum share (tier 1T)"] for r in rows]
+            text = ", ".join(
+                f"{r['model'].split()[0]} {100 * x:.1f}%" for r, x in zip(rows, shares)
+            )
+            met = "yes" if max(shares) <= 0.10 else "**no**"
+            lines.append(
+                f"| checksum <= 10% of {op} | fsync {'on' if fsync else 'off'} | {text} | {met} |"
+            )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# canonical-kv file tier (FileStore) vs plain file I/O",
+        "",
+        f"{report['machine']}, Python {report['python']}, xxhash {report['xxhash']}, "
+        f"{report['date']}; `{report['command']}`; files on {report['directory_fs']}; "
+        f"best of {report['repeats']}, round-robin; pool of {report['threads']} threads; "
+        f"1-min load average before/after: {report['load_average_before_after']} "
+        "(other users of the machine).",
+        "",
+        "GB/s of payload. `1T/files` = tier inline (one thread) vs one plain file per unit "
+        "written or read by one thread (the same work shape); `pool/files` = the tier through "
+        "its job pool (what an engine uses; more threads than the plain loop) vs that same "
+        "plain loop; `pool/stream` = vs one plain sequential stream (no per-unit file at all). "
+        "checksum = xxh3-128 alone as a share of the 1-thread tier's time. warm = from the "
+        "page cache (memory copies), cold = our files evicted from it first (device reads).",
+        "",
+        *_goals(report),
+        "",
+        "| model | unit | fsync | op | plain files | plain stream | tier 1T | tier pool "
+        "| 1T/files | pool/files | pool/stream | checksum share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report["results"]:
+        for op in ("store", "load warm", "load cold"):
+            g = row["gbps"]
+            lines.append(
+                f"| {row['model']} | {row['unit_bytes'] / 2**20:.2f} MiB x {row['units']} "
+                f"| {'on' if row['fsync'] else 'off'} | {op} | "
+                + " | ".join(f"{g[f'{op} {m}']:.2f}" for m in METHODS)
+                + f" | {row[f'{op} ratio tier 1T / plain files']:.2f}x"
+                + f" | {row[f'{op} ratio tier pool / plain files']:.2f}x"
+                + f" | {row[f'{op} ratio tier pool / plain stream']:.2f}x"
+                + f" | {100 * row[f'{op} checksum share (tier 1T)']:.1f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=256, help="MiB moved per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=4, help="tier pool threads")
+    parser.add_argument("--dir", default=None, help="file system to measure (default: $TMPDIR)")
+    parser.add_argument("--out", default=None, help="write bench_store.json and .md here")
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 2 repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mib, args.repeats = 64, 2
+    report = run(args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_store.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "bench_store.md"), "w") as f:
+            f.write(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

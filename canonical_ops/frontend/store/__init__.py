@@ -1,0 +1,60 @@
+"""Persistent, checksummed page store: canonical units (region rows) in files.
+
+A *unit* is one block's canonical pages of a contiguous layer range, exactly a
+region row of the pipeline stage that owns those layers. Units are tagged by a
+:class:`StoreNamespace` (model, format, every layer's geometry; not TP/PP/CP of
+a certified model), encoded once (:mod:`.encoding`, shared with future tiers),
+and moved by I/O jobs of a bounded :class:`JobPool`. :class:`FileStore` keeps
+them in files under a directory shared by processes and engines.
+
+Quickstart
+----------
+>>> ns = StoreNamespace.from_specs(ModelIdentity("llama"), [spec] * 32, ctx)  # doctest: +SKIP
+>>> store = FileStore("/var/cache/ckv", ns, capacity_bytes=100 << 30)        # doctest: +SKIP
+>>> job = store.submit_store(block_hash, 0, region_row, position=3)          # doctest: +SKIP
+>>> store.lookup([block_hash], 0, 32)                                        # doctest: +SKIP
+1
+>>> store.load(block_hash, 0, 32, other_row).ok                             # doctest: +SKIP
+True
+"""
+
+from .encoding import (
+    CorruptUnit,
+    PayloadVerifier,
+    UnitHeader,
+    decode_and_verify,
+    decode_header,
+    encode_header,
+    encode_unit,
+    header_length,
+    normalize_key,
+    verify_payload,
+)
+from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
+from .jobs import IOJob, JobOutcome, JobPool, PoolStats
+from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
+
+__all__ = [
+    "CorruptUnit",
+    "FileStore",
+    "GcReport",
+    "IOJob",
+    "JobOutcome",
+    "JobPool",
+    "LayerGeometry",
+    "ModelIdentity",
+    "PayloadVerifier",
+    "PoolStats",
+    "StoreMetrics",
+    "StoreNamespace",
+    "StoreRootError",
+    "UnitHeader",
+    "check_unit_file",
+    "decode_and_verify",
+    "decode_header",
+    "encode_header",
+    "encode_unit",
+    "header_length",
+    "normalize_key",
+    "verify_payload",
+]

@@ -1,0 +1,196 @@
+"""`python -m canonical_ops store stats|verify|gc DIR`: its exit-code contract and output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.store import REPO, child_env, row, small_namespace, unit_files
+
+from canonical_ops.frontend.store import FileStore
+from canonical_ops.frontend.store.cli import main, parse_size
+
+NS = small_namespace(8)
+OTHER = small_namespace(8, name="second-model")
+
+
+@pytest.fixture
+def root(tmp_path):
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        for k in range(4):
+            store.store(k, 0, row(NS, k, 0, 4), k)
+            store.store(k, 4, row(NS, k, 4, 8), k)
+    with FileStore(tmp_path, OTHER, fsync=False) as store:
+        store.store(b"x", 0, row(OTHER, 1), 0)
+    return tmp_path
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verify_good_store(root, capsys) -> None:
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 0
+    assert "9 unit file(s) in 2 namespace(s) checked, 0 bad" in out
+    code, out, _ = run(capsys, "verify", str(root), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["checked"] == 9 and report["bad"] == []
+    # a namespace directory alone works too
+    code, out, _ = run(capsys, "verify", os.path.join(root, NS.hex))
+    assert code == 0 and "8 unit file(s) in 1 namespace(s)" in out
+
+
+def test_verify_reports_every_bad_file(root, capsys) -> None:
+    with FileStore(root, NS, fsync=False) as store:
+        paths = unit_files(store)
+    with open(paths[0], "r+b") as f:  # same-size corruption: one bit of payload
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    os.truncate(paths[1], 100)
+    os.rename(paths[2], paths[2].replace("0-4.ckv", "0-5.ckv").replace("4-8.ckv", "4-9.ckv"))
+    stray = os.path.join(os.path.dirname(paths[3]), "notes.txt")
+    with open(stray, "w") as f:
+        f.write("hello")
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1
+    assert "4 bad" in out
+    bad = [line for line in out.splitlines() if line.startswith("BAD ")]
+    assert len(bad) == 4
+    assert any(paths[0] in line and "checksum" in line for line in bad)
+    assert any(paths[1] in line and "truncated" in line for line in bad)
+    assert any("do not match the file name" in line for line in bad)
+    assert any(stray in line and "not a unit file name" in line for line in bad)
+    code, out, _ = run(capsys, "verify", "--json", str(root))
+    report = json.loads(out)
+    assert code == 1 and report["bad_count"] == 4 and not report["ok"]
+    assert {paths[0], paths[1], stray} <= {b["path"] for b in report["bad"]}
+
+
+def test_verify_checks_namespace_json(root, capsys) -> None:
+    path = os.path.join(root, OTHER.hex, "namespace.json")
+    with open(path) as f:
+        desc = json.load(f)
+    desc["kv_quant"] = "fp8"  # now describes another namespace than its directory
+    with open(path, "w") as f:
+        json.dump(desc, f)
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and f"BAD {path}" in out and "not its directory" in out
+    with open(path, "w") as f:
+        f.write("{not json")
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and "unreadable namespace" in out
+    # the units themselves still check (checksums, placement) without a namespace.json
+    assert "1 bad" in out
+
+
+def test_stats(root, capsys) -> None:
+    code, out, _ = run(capsys, "stats", str(root))
+    assert code == 0
+    assert "2 namespace(s)" in out and "model=test-model" in out and "model=second-model" in out
+    assert "units=8 " in out and "keys=4 " in out and "[0-4): 4, [4-8): 4" in out
+    code, out, _ = run(capsys, "stats", "--json", str(root))
+    report = {n["model"]: n for n in json.loads(out)["namespaces"]}
+    ours = report["test-model"]
+    assert ours["namespace"] == NS.hex and ours["units"] == 8 and ours["keys"] == 4
+    assert ours["bytes"] == sum(os.path.getsize(p) for p in unit_files(FileStore(root, NS)))
+    assert ours["layer_ranges"] == {"0-4": 4, "4-8": 4}
+    assert ours["format_id"] == "v1-nhd" and ours["num_layers"] == 8
+    assert report["second-model"]["units"] == 1
+
+
+def test_gc(root, capsys) -> None:
+    unit = os.path.getsize(unit_files(FileStore(root, NS))[0])
+    code, out, _ = run(capsys, "gc", str(root), "--capacity", str(20 * unit), "--json")
+    assert code == 0 and json.loads(out)["units_evicted"] == 0
+    code, out, _ = run(capsys, "gc", str(root), "--capacity", "0")
+    assert code == 0 and "evicted 9 unit(s)" in out
+    code, out, _ = run(capsys, "stats", "--json", str(root))
+    assert all(n["units"] == 0 for n in json.loads(out)["namespaces"])
+
+
+def test_gc_keeps_heads(tmp_path, capsys) -> None:
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        for position in range(6):
+            store.store(position, 0, row(NS, position), position)
+        paths = unit_files(store)
+    unit = os.path.getsize(paths[0])
+    for path in paths:  # equally recent (gc's recency is quantised to 1 s): tails go first
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    code, _, _ = run(capsys, "gc", str(tmp_path), "--capacity", f"{3 * unit}B")
+    assert code == 0
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        assert store.lookup(list(range(6)), 0, 8) == 3 and store.metrics().units_on_disk == 3
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate", "."],
+        ["verify"],
+        ["verify", "/definitely/not/here"],
+        ["stats", "--bogus", "."],
+        ["gc", "."],
+        ["gc", ".", "--capacity", "lots"],
+        ["gc", ".", "--capacity", "-5"],
+        ["gc", ".", "--capacity", "1.5G"],
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, capsys) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_help_exits_0(capsys) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "stats" in out and "verify" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("1048576", 1 << 20),
+        ("64K", 64 << 10),
+        ("64k", 64 << 10),
+        ("512MiB", 512 << 20),
+        ("3G", 3 << 30),
+        ("2GiB", 2 << 30),
+        ("1T", 1 << 40),
+        ("100B", 100),
+        (" 7 M ", 7 << 20),
+    ],
+)
+def test_parse_size(text, expected) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1.5G", "1X", "G", "1 GB B", "1e9"])
+def test_parse_size_refuses(text) -> None:
+    with pytest.raises(ValueError, match="expected a byte count"):
+        parse_size(text)
+
+
+def test_python_dash_m_entry_point(root) -> None:
+    """The real command line: `python -m canonical_ops store ...` and its exit codes."""
+    cmd = [sys.executable, "-m", "canonical_ops", "store"]
+    ok = subprocess.run([*cmd, "verify", str(root)], env=child_env(), cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "0 bad" in ok.stdout
+    with FileStore(root, NS, fsync=False) as store:
+        path = unit_files(store)[0]
+    os.truncate(path, 10)
+    bad = subprocess.run([*cmd, "verify", str(root)], env=child_env(), cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and path in bad.stdout
+    usage = subprocess.run([*cmd, "gc", str(root)], env=child_env(), cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert len(usage.stderr.strip().splitlines()) == 1
