@@ -96,7 +96,10 @@ def free_port(*, cluster: bool = False) -> int:
 
 @dataclass(frozen=True)
 class AclUser:
-    """An ACL user created at start-up (``--user``), allowed ``commands`` on ``keys``."""
+    """An ACL user created at start-up (``--user``), allowed ``commands`` on ``keys``.
+
+    ``commands`` and ``keys`` are ACL rules separated by spaces (``"+get +set"``).
+    """
 
     name: str
     password: str
@@ -230,7 +233,8 @@ class RedisServer:
         if self.password is not None:
             argv += ["--requirepass", self.password]
         for user in self.users:
-            argv += ["--user", user.name, "on", f">{user.password}", user.keys, user.commands]
+            rules = [f">{user.password}", *user.keys.split(), *user.commands.split()]
+            argv += ["--user", user.name, "on", *rules]
         if self.cluster:
             argv += ["--cluster-enabled", "yes", "--cluster-node-timeout", "3000"]
             argv += ["--cluster-config-file", os.path.join(self.directory, "nodes.conf")]

@@ -1273,7 +1273,9 @@ class RedisStore:
                 continue
             # A chunk expired (or was evicted) before it was kept: withdraw the manifest.
             req = plan.req
-            outcomes[i] = JobOutcome("error", detail="dropped: a chunk expired before publication")
+            outcomes[i] = JobOutcome(
+                "error", detail="dropped: a chunk expired or was evicted before publication"
+            )
             unit_key = self._unit_key(req.kd, req.first, req.end)
             self._cleanup([_Op("delete", unit_key, *plan.chunks)], 1)
 
