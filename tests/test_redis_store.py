@@ -384,6 +384,7 @@ ns = small_namespace(32)
 items = [(f"race-{i}".encode(), 0, row(ns, 1000 * writer + i), i) for i in range(count)]
 order = np.random.default_rng(writer).permutation(count)
 with RedisStore(url, ns, max_value_bytes=max_value) as store:
+    print("ready", flush=True)
     while not os.path.exists(go):
         time.sleep(0.001)
     statuses = [store.store(*items[i]).status for i in order]
@@ -392,62 +393,56 @@ print(json.dumps({"statuses": sorted(set(statuses)), "stored": m.units_stored,
                   "skipped": m.stores_skipped}))
 """
 
-READER = """
-import json, os, sys, time
-import numpy as np
-from store_helpers import row, small_namespace
-from canonical_ops.frontend.store import RedisStore
-
-url, count, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-ns = small_namespace(32)
-candidates = [(row(ns, 1000 + i), row(ns, 2000 + i)) for i in range(count)]
-ok = wrong = miss = 0
-out = np.zeros(ns.total_bytes, np.uint8)
-with RedisStore(url, ns) as store:
-    while not os.path.exists(stop):
-        for i in range(count):
-            job = store.load(f"race-{i}".encode(), 0, 32, out)
-            if job.ok:
-                ok += 1
-                wrong += not any(np.array_equal(out, c) for c in candidates[i])
-            else:
-                miss += 1
-    corrupt = store.metrics().corrupt_detected
-print(json.dumps({"ok": ok, "wrong": wrong, "miss": miss, "corrupt": corrupt}))
-"""
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_value", [1 << 20, 4096], ids=["one-value", "chunked"])
 def test_first_writer_wins_between_racing_processes(server, admin, tmp_path, max_value) -> None:
     count = 60
-    go, stop = str(tmp_path / "go"), str(tmp_path / "stop")
+    go = str(tmp_path / "go")
+    candidates = [(row(NS, 1000 + i), row(NS, 2000 + i)) for i in range(count)]
+    seen = {"ok": 0, "wrong": 0, "miss": 0}
+    stop = threading.Event()
+
+    def read_while_they_write(store: RedisStore) -> None:
+        out = np.zeros(NS.total_bytes, np.uint8)
+        while not stop.is_set():
+            for i in range(count):
+                job = store.load(f"race-{i}".encode(), 0, LAYERS, out)
+                if job.ok:
+                    seen["ok"] += 1
+                    seen["wrong"] += not any(np.array_equal(out, c) for c in candidates[i])
+                else:
+                    seen["miss"] += 1
+
     writers = [
         start_child(WRITER, server.url, str(w), str(count), str(max_value), go) for w in (1, 2)
     ]
-    reader = start_child(READER, server.url, str(count), stop)
-    try:
-        time.sleep(1.0)  # let both writers connect and wait at the barrier
-        open(go, "w").close()
-        results = []
-        for proc in writers:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        open(stop, "w").close()
-        out, err = reader.communicate(timeout=120)
-        assert reader.returncode == 0, err
-        seen = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for proc in [*writers, reader]:
-            if proc.poll() is None:
-                proc.kill()
+    with RedisStore(server.url, NS) as reader:
+        thread = threading.Thread(target=read_while_they_write, args=(reader,))
+        try:
+            for proc in writers:  # both connected and waiting at the barrier
+                assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+            thread.start()
+            open(go, "w").close()
+            results = []
+            for proc in writers:
+                out, err = proc.communicate(timeout=120)
+                assert proc.returncode == 0, err
+                results.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            stop.set()
+            if thread.is_alive():
+                thread.join(30)
+            for proc in writers:
+                if proc.poll() is None:
+                    proc.kill()
+        corrupt_seen = reader.metrics().corrupt_detected
     assert all(r["statuses"] == ["ok"] for r in results)
     # Exactly one writer published each unit; the other found it there.
     assert sum(r["stored"] for r in results) == count
     assert sum(r["skipped"] for r in results) == count
     # The concurrent reader never loaded a wrong or torn unit, nor saw a corrupt one.
-    assert seen["wrong"] == 0 and seen["corrupt"] == 0 and seen["ok"] > 0, seen
+    assert seen["wrong"] == 0 and corrupt_seen == 0 and seen["ok"] > 0, seen
     # Every unit is whole and one writer's; losers left no chunks behind.
     with RedisStore(server.url, NS) as store:
         out = np.zeros(NS.total_bytes, np.uint8)
