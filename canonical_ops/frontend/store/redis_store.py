@@ -455,6 +455,11 @@ class _Load:
         self.outcome: JobOutcome | None = None
 
 
+def _deletes(keys: Sequence[str]) -> list[_Op]:
+    """One DEL per key: a cluster pipeline refuses multi-key DEL (even within one slot)."""
+    return [_Op("delete", key) for key in keys]
+
+
 def _cover(ranges: set[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]] | None:
     """Ranges covering ``[first, end)``: the exact one if present, else greedy longest-first."""
     if (first, end) in ranges:
@@ -770,7 +775,7 @@ class RedisStore:
             _Op("zadd", probe + ":idx", {b"0-1": math.inf}, gt=True),
             _Op("zrange", probe + ":idx", 0, "+inf", byscore=True),
             _Op("pexpire", probe + ":idx", 10_000, nx=True),
-            _Op("delete", probe, probe + ":idx"),
+            *_deletes([probe, probe + ":idx"]),
         ]
         try:
             client, _ = self._clients()
@@ -1259,7 +1264,7 @@ class RedisStore:
                     else:
                         ops.append(_Op("pexpire", chunk, ttl_ms))
             else:  # a loser's (or refused writer's) chunks are of no use to anyone
-                ops.append(_Op("delete", *plan.chunks))
+                ops += _deletes(plan.chunks)
         try:
             replies = self._roundtrip(ops)
         except _Unavailable as why:
@@ -1277,7 +1282,7 @@ class RedisStore:
                 "error", detail="dropped: a chunk expired or was evicted before publication"
             )
             unit_key = self._unit_key(req.kd, req.first, req.end)
-            self._cleanup([_Op("delete", unit_key, *plan.chunks)], 1)
+            self._cleanup(_deletes([unit_key, *plan.chunks]), 1)
 
     # ------------------------------------------------------------------ load
 
@@ -1359,7 +1364,7 @@ class RedisStore:
                 member = f"{rng[0]}-{rng[1]}".encode()
                 cleanup.append(_Op("zrem", self._index_key(ld.req.kd), member))
             if delete:
-                cleanup.append(_Op("delete", *delete))
+                cleanup.extend(_deletes(delete))
                 deleted += 1
 
         def place(ld: _Load, rng: tuple[int, int], parts: Sequence[memoryview]) -> None:
