@@ -33,6 +33,7 @@ from canonical_ops.frontend.store import (
     StoreItem,
     encode_unit,
 )
+from canonical_ops.frontend.store.files import key_digest
 from canonical_ops.frontend.store.redis_store import MANIFEST_MAGIC
 
 NS = small_namespace(32)  # 512 B canonical pages: a whole-model unit is 16 KiB
@@ -171,6 +172,19 @@ def test_values_are_the_file_store_encoding(store, admin) -> None:
     store.store(b"same-bytes", 0, payload, position=9)
     value = admin.get(store.unit_key(b"same-bytes", 0, LAYERS))
     assert value == encode_unit(NS, b"same-bytes", 0, LAYERS, 9, payload)
+
+
+def test_key_names_follow_the_documented_scheme(store) -> None:
+    kd = key_digest(b"named")  # the file store's key directory name
+    tag = f"ckv:v1:{{{NS.hex[:32]}:{kd}}}"
+    assert store.unit_key(b"named", 2, 9) == f"{tag}:2-9"
+    assert store.index_key(b"named") == f"{tag}:idx"
+    assert store.chunk_keys(b"named", 2, 9, b"\x01" * 8, 2) == [
+        f"{tag}:2-9:0101010101010101:0",
+        f"{tag}:2-9:0101010101010101:1",
+    ]
+    store.store(b"named", 2, row(NS, 1, 2, 9), 0)
+    assert store.lookup([b"named"], 2, 9) == 1  # what the store wrote is what it names
 
 
 def test_units_of_another_namespace_are_invisible(server, store) -> None:

@@ -91,6 +91,7 @@ ZREM; Redis >= 7.0 or Valkey >= 7.2 (SET NX GET needs 7.0).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import re
 import secrets
@@ -146,6 +147,9 @@ assert _MIN_VALUE_BYTES >= MAX_HEADER_BYTES
 # A manifest may name at most this many payload chunks: a forged one cannot make
 # a reader send an unbounded pipeline.
 _MAX_CHUNKS = 1 << 16
+# Per thread, a store batch's single values are assembled in a reused buffer of up
+# to this size (a larger batch uses a fresh one, freed after its round trip).
+_SCRATCH_RETAIN_BYTES = 64 << 20
 # Rounds of one batched load: exact + index, covering units, their chunks, and
 # retries around units that turn out bad; each round resolves or excludes.
 _MAX_LOAD_ROUNDS = 16
@@ -410,7 +414,7 @@ class _StoreReq:
     def __init__(self, raw_key: bytes, first: int, end: int, position: int, payload: memoryview):
         self.raw_key, self.first, self.end = raw_key, first, end
         self.position, self.payload = position, payload
-        self.kd = key_digest(raw_key)
+        self.kd = _digest(raw_key)
 
 
 class _LoadReq:
@@ -418,7 +422,7 @@ class _LoadReq:
 
     def __init__(self, raw_key: bytes, first: int, end: int, dest: memoryview):
         self.raw_key, self.first, self.end, self.dest = raw_key, first, end, dest
-        self.kd = key_digest(raw_key)
+        self.kd = _digest(raw_key)
 
 
 class _Publish:
@@ -453,6 +457,21 @@ class _Load:
         self.manifests: dict[tuple[int, int], _Manifest] = {}
         self.problems: list[str] = []
         self.outcome: JobOutcome | None = None
+
+
+def _digest(raw_key: bytes) -> str:
+    """:func:`.files.key_digest` of an already normalized key (skips normalizing again)."""
+    return hashlib.sha256(raw_key).hexdigest()[:32]
+
+
+def _get(key: str, size: int) -> _Op:
+    # execute_command: the hot commands skip redis-py's per-method argument handling.
+    return _Op("execute_command", "GET", key, size=size)
+
+
+def _zrange(index: str, now_ms: float) -> _Op:
+    """The index's ranges whose units have not expired (score = expiry, unix ms)."""
+    return _Op("execute_command", "ZRANGE", index, f"{now_ms:.0f}", "+inf", "BYSCORE")
 
 
 def _deletes(keys: Sequence[str]) -> list[_Op]:
@@ -668,6 +687,8 @@ class RedisStore:
         self._counts["lookup_seconds_max"] = 0.0
         self._breaker = _Breaker(breaker_failures, backoff, max_backoff)
         self._client_lock = threading.Lock()
+        self._tls = threading.local()
+        self._known_ranges: dict[bytes, tuple[int, int]] = {}
         self._client: Any = None
         self._lookup_client: Any = None
         self._closed = False
@@ -851,17 +872,22 @@ class RedisStore:
         out = set()
         if not isinstance(members, (list, tuple)):
             return out
+        known = self._known_ranges
         for member in members:
-            if isinstance(member, str):
-                member = member.encode()
-            if not isinstance(member, bytes):
-                continue
-            match = _RANGE.fullmatch(member)
-            if match is None:
-                continue
-            first, end = int(match[1]), int(match[2])
-            if 0 <= first < end <= self.namespace.num_layers:
-                out.add((first, end))
+            rng = known.get(member)
+            if rng is None:
+                if not isinstance(member, bytes):
+                    continue
+                match = _RANGE.fullmatch(member)
+                if match is None:
+                    continue
+                first, end = int(match[1]), int(match[2])
+                if not 0 <= first < end <= self.namespace.num_layers:
+                    continue
+                rng = (first, end)
+                if len(known) < 4096:  # the few splits a deployment uses
+                    known[member] = rng
+            out.add(rng)
         return out
 
     # ------------------------------------------------------------------ round trips
@@ -1022,10 +1048,7 @@ class RedisStore:
         found, unavailable = 0, False
         if raws:
             now_ms = time.time() * 1000.0
-            ops = [
-                _Op("zrange", self._index_key(key_digest(k)), now_ms, "+inf", byscore=True)
-                for k in raws
-            ]
+            ops = [_zrange(self._index_key(_digest(k)), now_ms) for k in raws]
             try:
                 replies = self._roundtrip(ops, lookup=lookup)
             except _Unavailable:
@@ -1155,8 +1178,28 @@ class RedisStore:
             value=outcomes,
         )
 
-    def _plan_store(self, req: _StoreReq, ops: list[_Op], ttl_ms: int | None) -> _Publish:
-        """Append the commands publishing ``req`` to ``ops`` (see the module docstring)."""
+    def _scratch(self, nbytes: int) -> memoryview:
+        """This thread's buffer for the single values of one batch (reused: no page faults).
+
+        A value must be one bulk string, so header and payload are copied together
+        once; into fresh memory that copy costs page faults worth half the SET
+        itself, so each thread keeps its buffer (up to ``_SCRATCH_RETAIN_BYTES``).
+        Only valid until the thread's next store call: the round trip is over then.
+        """
+        buffer = getattr(self._tls, "scratch", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            if nbytes <= _SCRATCH_RETAIN_BYTES:
+                self._tls.scratch = buffer
+        return memoryview(buffer)[:nbytes]
+
+    def _plan_store(
+        self, req: _StoreReq, ops: list[_Op], ttl_ms: int | None, scratch: memoryview
+    ) -> tuple[_Publish, memoryview]:
+        """Append the commands publishing ``req`` to ``ops`` (see the module docstring).
+
+        Returns the plan and what is left of ``scratch`` (the single value's bytes).
+        """
         header = encode_header(
             self.namespace, req.raw_key, req.first, req.end, req.position, req.payload
         )
@@ -1164,11 +1207,10 @@ class RedisStore:
         total = len(header) + len(req.payload)
         plan = _Publish(req, len(ops))
         if total <= self.max_value_bytes:
-            # One value: header and payload must be one bulk string (one copy, no zeroing).
-            value = np.empty(total, dtype=np.uint8)
-            value[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-            value[len(header) :] = np.frombuffer(req.payload, dtype=np.uint8)
-            ops.append(_Op("set", key, memoryview(value), nx=True, px=ttl_ms, size=total))
+            value, scratch = scratch[:total], scratch[total:]
+            value[: len(header)] = header
+            value[len(header) :] = req.payload
+            ops.append(_Op("set", key, value, nx=True, px=ttl_ms, size=total))
             plan.sent = total
         else:
             # Chunk 0 is the header, then the payload in place (no copy): the chunks
@@ -1203,13 +1245,22 @@ class RedisStore:
         else:  # NX: a new index gets the TTL; GT: an existing one only ever lives longer
             ops.append(_Op("pexpire", index, ttl_ms, nx=True))
             ops.append(_Op("pexpire", index, ttl_ms, gt=True))
-        return plan
+        return plan, scratch
 
     def _store_units(self, reqs: list[_StoreReq]) -> list[JobOutcome]:
         """Publish ``reqs``: one round trip, and a second one only for chunked units."""
         ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
         ops: list[_Op] = []
-        plans = [self._plan_store(req, ops, ttl_ms) for req in reqs]
+        single = [
+            header_length(r.raw_key) + len(r.payload)
+            for r in reqs
+            if header_length(r.raw_key) + len(r.payload) <= self.max_value_bytes
+        ]
+        scratch = self._scratch(sum(single))
+        plans = []
+        for req in reqs:
+            plan, scratch = self._plan_store(req, ops, ttl_ms, scratch)
+            plans.append(plan)
         try:
             replies = self._roundtrip(ops)
         except _Unavailable as why:
@@ -1429,8 +1480,8 @@ class RedisStore:
             for ld in loads:
                 r = ld.req
                 size = header_length(r.raw_key) + len(r.dest)
-                ops.append(_Op("get", self._unit_key(r.kd, r.first, r.end), size=size))
-                ops.append(_Op("zrange", self._index_key(r.kd), now_ms, "+inf", byscore=True))
+                ops.append(_get(self._unit_key(r.kd, r.first, r.end), size))
+                ops.append(_zrange(self._index_key(r.kd), now_ms))
             replies = self._roundtrip(ops)
             for i, ld in enumerate(loads):
                 exact = (ld.req.first, ld.req.end)
@@ -1465,13 +1516,13 @@ class RedisStore:
                         manifest = ld.manifests.get(rng)
                         if manifest is None:
                             size = header_length(r.raw_key) + ns.layer_bytes(*rng)
-                            ops.append(_Op("get", self._unit_key(r.kd, *rng), size=size))
+                            ops.append(_get(self._unit_key(r.kd, *rng), size))
                             handlers.append((ld, rng, "unit", 1))
                         else:
                             keys = self._chunk_keys(
                                 r.kd, *rng, manifest.nonce, manifest.payload_chunks + 1
                             )
-                            ops += [_Op("get", k, size=manifest.chunk_bytes) for k in keys]
+                            ops += [_get(k, manifest.chunk_bytes) for k in keys]
                             handlers.append((ld, rng, "chunks", len(keys)))
                 if not ops:
                     break
