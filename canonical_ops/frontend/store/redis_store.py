@@ -149,7 +149,7 @@ assert _MIN_VALUE_BYTES >= MAX_HEADER_BYTES
 _MAX_CHUNKS = 1 << 16
 # Per thread, a store batch's single values are assembled in a reused buffer of up
 # to this size (a larger batch uses a fresh one, freed after its round trip).
-_SCRATCH_RETAIN_BYTES = 64 << 20
+_SCRATCH_RETAIN_BYTES = 128 << 20
 # Rounds of one batched load: exact + index, covering units, their chunks, and
 # retries around units that turn out bad; each round resolves or excludes.
 _MAX_LOAD_ROUNDS = 16
@@ -1200,19 +1200,24 @@ class RedisStore:
 
         Returns the plan and what is left of ``scratch`` (the single value's bytes).
         """
-        header = encode_header(
-            self.namespace, req.raw_key, req.first, req.end, req.position, req.payload
-        )
         key = self._unit_key(req.kd, req.first, req.end)
-        total = len(header) + len(req.payload)
+        head = header_length(req.raw_key)
+        total = head + len(req.payload)
         plan = _Publish(req, len(ops))
         if total <= self.max_value_bytes:
+            # Copy first, then hash the copy (still in cache): the checksum covers
+            # exactly the bytes sent.
             value, scratch = scratch[:total], scratch[total:]
-            value[: len(header)] = header
-            value[len(header) :] = req.payload
+            value[head:] = req.payload
+            value[:head] = encode_header(
+                self.namespace, req.raw_key, req.first, req.end, req.position, value[head:]
+            )
             ops.append(_Op("set", key, value, nx=True, px=ttl_ms, size=total))
             plan.sent = total
         else:
+            header = encode_header(
+                self.namespace, req.raw_key, req.first, req.end, req.position, req.payload
+            )
             # Chunk 0 is the header, then the payload in place (no copy): the chunks
             # concatenated are the unit. They wait with a pending expiry until the
             # manifest naming their nonce is known to be the one published.
