@@ -66,7 +66,8 @@ def wait_until_stored(store: RedisStore, key: bytes, timeout: float = 15.0) -> f
         time.sleep(0.05)
 
 
-def test_server_killed_mid_run_is_misses_and_drops_then_recovers(server) -> None:
+def test_server_killed_mid_run_is_misses_and_drops_then_recovers(server, caplog) -> None:
+    caplog.set_level("WARNING", logger="canonical_ops.frontend.store.redis_store")
     store = RedisStore(server.url, NS, **FAST)
     try:
         keys = [f"before-{i}".encode() for i in range(8)]
@@ -117,6 +118,10 @@ def test_server_killed_mid_run_is_misses_and_drops_then_recovers(server) -> None
         assert np.array_equal(out, row(NS, 99))
         assert store.lookup(keys, 0, LAYERS) == 0  # what it held before is gone: misses
         assert store.lookup([b"after-restart"], 0, LAYERS) == 1
+        # Operators see both transitions in the log, once each per outage.
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("unavailable" in m and "skipping it" in m for m in messages) == 1
+        assert sum("reachable again" in m for m in messages) == 1
     finally:
         store.close()
 

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import re
 import secrets
@@ -134,6 +135,8 @@ __all__ = [
     "RedisStoreMetrics",
     "StoreItem",
 ]
+
+_log = logging.getLogger(__name__)
 
 MANIFEST_MAGIC = b"CKVMANI\x00"
 _MANIFEST_VERSION = 1
@@ -366,25 +369,35 @@ class _Breaker:
             self.skips += 1
             return False
 
-    def success(self) -> None:
+    def success(self) -> bool:
+        """The server answered; True when this closes an open breaker."""
         with self._lock:
+            was_open = self._open
             self._failures = 0
             self._open = False
             self._probe_since = None
             self._backoff = self.base
+            return was_open
 
-    def failure(self) -> None:
+    def failure(self) -> bool:
+        """A round trip failed; True when this opens the breaker."""
         with self._lock:
             self._failures += 1
             probing = self._probe_since is not None
+            opened = False
             if probing or self._failures >= self.threshold:
                 if probing:  # the server is still away: wait longer before the next probe
                     self._backoff = min(self._backoff * 2, self.cap)
-                if not self._open or probing:
-                    self.opens += not self._open
-                    self._open = True
+                opened = not self._open
+                self.opens += opened
+                self._open = True
                 self._until = time.monotonic() + self._backoff
                 self._probe_since = None
+            return opened
+
+    @property
+    def backoff(self) -> float:
+        return self._backoff
 
     def force_open(self) -> None:
         with self._lock:
@@ -624,6 +637,8 @@ class RedisStore:
         self.url = redact_url(url)
         if cluster is not None and not isinstance(cluster, (bool, np.bool_)):
             raise TypeError(f"cluster: expected a bool or None, got {cluster!r}")
+        if cluster is not None and not cluster and scheme.endswith("+cluster"):
+            raise ValueError(f"cluster: expected True or None with a {scheme}:// URL, got False")
         self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
         if self.cluster and scheme == "unix":
             raise ValueError("url: expected a redis:// or rediss:// URL with cluster=True")
@@ -660,7 +675,11 @@ class RedisStore:
             _check_str(name, value)
         if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
             raise TypeError(f"client_kwargs: expected a mapping or None, got {client_kwargs!r}")
-        if not isinstance(key_prefix, str) or not key_prefix or set("{}") & set(key_prefix):
+        if not isinstance(key_prefix, str):
+            raise TypeError(
+                f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}"
+            )
+        if not key_prefix or set("{}") & set(key_prefix):
             raise ValueError(
                 f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}"
             )
@@ -692,7 +711,11 @@ class RedisStore:
         self._client: Any = None
         self._lookup_client: Any = None
         self._closed = False
-        self._start(bool(require_server))
+        try:
+            self._start(bool(require_server))
+        except BaseException:
+            self._close_clients()
+            raise
         # The pool last: a failed start-up leaves no threads behind.
         self._own_pool = pool is None
         self.pool = pool if pool is not None else JobPool(threads, queue_depth, name="ckv-redis")
@@ -760,6 +783,8 @@ class RedisStore:
         # Bigger reads than redis-py's 64 KiB: units are megabytes.
         options["socket_read_size"] = 1 << 20
         options.update(client_kwargs or {})
+        if options.get("decode_responses"):
+            raise ValueError("client_kwargs: decode_responses must stay False (values are bytes)")
         return options
 
     def _new_client(self, *, lookup: bool) -> Any:
@@ -930,17 +955,26 @@ class RedisStore:
             results = self._pipeline(fast if lookup else data, ops)
         except _UNAVAILABLE as error:
             self._count("errors")
-            self._breaker.failure()
+            if self._breaker.failure():
+                _log.warning(
+                    "RedisStore %s unavailable (%s: %s): skipping it, probing again in %.1f s "
+                    "(lookups 0, loads miss, stores dropped meanwhile)",
+                    self.url, type(error).__name__, error, self._breaker.backoff,
+                )  # fmt: skip
             raise _Unavailable(f"{type(error).__name__}: {error}") from error
         except redis.RedisError as error:  # a reply we cannot use for the whole pipeline
             self._count("errors")
-            self._breaker.success()  # the server answered
+            self._recovered()  # the server answered
             raise _Unavailable(f"{type(error).__name__}: {error}") from error
-        self._breaker.success()
+        self._recovered()
         errors = sum(isinstance(r, Exception) for r in results)
         if errors:
             self._count("errors", errors)
         return results
+
+    def _recovered(self) -> None:
+        if self._breaker.success():
+            _log.warning("RedisStore %s reachable again", self.url)
 
     def _cleanup(self, ops: list[_Op], deleted: int) -> None:
         """Best-effort removal of bad or stale values (one round trip, errors ignored)."""
@@ -1636,6 +1670,9 @@ class RedisStore:
         self._closed = True
         if self._own_pool:
             self.pool.close(cancel=cancel)
+        self._close_clients()
+
+    def _close_clients(self) -> None:
         with self._client_lock:
             for client in (self._client, self._lookup_client):
                 if client is not None:
