@@ -58,12 +58,16 @@ class RedisBinaryMissing(RuntimeError):
 def redis_binaries() -> tuple[str, str]:
     """Paths of ``redis-server`` and ``redis-cli``.
 
+    ``CKV_REDIS_SERVER`` / ``CKV_REDIS_CLI`` name other binaries speaking the same
+    protocol, e.g. ``valkey-server`` to run the same tests against Valkey.
+
     Raises
     ------
     RedisBinaryMissing
         Either is missing (the message says that ``make test`` installs them).
     """
-    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    server = shutil.which(os.environ.get("CKV_REDIS_SERVER") or "redis-server")
+    cli = shutil.which(os.environ.get("CKV_REDIS_CLI") or "redis-cli")
     if server is None or cli is None:
         raise RedisBinaryMissing(MISSING_MESSAGE)
     return server, cli
