@@ -145,6 +145,13 @@ def test_lookup_is_the_stored_prefix(store) -> None:
     assert job.status == "ok" and job.value == 12
 
 
+def test_empty_batches_are_no_round_trip(store) -> None:
+    before = store.metrics().round_trips
+    for job in (store.stores([]), store.loads([]), store.wait(store.submit_stores([]), 10)):
+        assert job.status == "ok" and job.value == [] and job.nbytes == 0
+    assert store.metrics().round_trips == before
+
+
 def test_load_misses_leave_the_destination_unreported(store) -> None:
     store.store(b"present", 0, row(NS, 1), 0)
     outs = [np.zeros(NS.total_bytes, np.uint8) for _ in range(2)]
