@@ -614,6 +614,20 @@ def test_db_number_from_url_and_argument(server, admin) -> None:
     assert admin.keys("ckv:*") == []  # db 0 untouched
 
 
+def test_unix_socket_url(tmp_path_factory) -> None:
+    directory = tmp_path_factory.mktemp("unix")
+    sock = str(directory / "redis.sock")
+    srv = new_server(tmp_path_factory, "unix-srv", extra=["--unixsocket", sock])
+    try:
+        with RedisStore(f"unix://{sock}?db=2", NS) as store:
+            assert store.store(b"u", 0, row(NS, 1), 0).nbytes > 0
+            out = np.zeros(NS.total_bytes, np.uint8)
+            assert store.load(b"u", 0, LAYERS, out).ok and np.array_equal(out, row(NS, 1))
+        assert srv.client(db=2).exists(store.unit_key(b"u", 0, LAYERS)) == 1
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- back-pressure
 
 

@@ -777,9 +777,10 @@ class RedisStore:
                 if not tls:
                     raise ValueError(f"{name}: TLS files need a rediss:// URL, got {self.url!r}")
                 options[name] = value
-        options.setdefault("host", "localhost")
+        if scheme != "unix":
+            options.setdefault("host", "localhost")
+            options["socket_keepalive"] = True
         options["socket_connect_timeout"] = self.connect_timeout_s
-        options["socket_keepalive"] = True
         # Bigger reads than redis-py's 64 KiB: units are megabytes.
         options["socket_read_size"] = 1 << 20
         options.update(client_kwargs or {})
@@ -833,7 +834,11 @@ class RedisStore:
                     f"url: authentication failed at {self.url!r} (wrong password or unknown "
                     f"user): {error}"
                 ) from error
-            if not isinstance(error, _UNAVAILABLE) and not isinstance(error, redis.RedisError):
+            if isinstance(error, redis.RedisError) and not isinstance(error, _UNAVAILABLE):
+                raise RedisStoreError(
+                    f"url: the server at {self.url!r} refused the start-up probe: {error}"
+                ) from error
+            if not isinstance(error, _UNAVAILABLE):
                 raise
             if require_server:
                 raise RedisStoreError(
