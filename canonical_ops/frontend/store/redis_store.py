@@ -35,14 +35,21 @@ in the same pipeline (so after the chunks, on the same node), the *manifest*
 ``CKVMANI\\0`` + nonce + sizes with ``SET key manifest NX GET``. Only the
 writer whose manifest landed keeps its chunks (``PERSIST``, or the TTL); a
 loser deletes its own. Readers follow the manifest to that one writer's
-chunks: two writers' chunks can never be joined (their nonces differ), and a
-writer that died before publishing leaves only chunks that expire. The
-chunks concatenated are byte for byte the unit a single value would hold.
+chunks: two writers' chunks can never be joined (their nonces differ). A
+writer that died before its manifest leaves only chunks that expire; one that
+died after it, before keeping its chunks, leaves a manifest whose chunks
+expire: a miss for the first reader, which removes it. The chunks
+concatenated are byte for byte the unit a single value would hold. (A
+manifest damaged in the server is a miss and is removed; the chunks it named
+are left to their pending expiry, or to eviction once kept.)
 
 Why 16 MiB: Redis refuses values over 512 MiB (``proto-max-bulk-len``), and
 a server is single threaded, so one big value stalls every other client while
-it is copied (about 1 ms per 10 MiB on loopback); 16 MiB keeps that stall
+it is read and copied (milliseconds per ten MiB); 16 MiB keeps that stall
 short and still stores realistic units whole (one round trip per load).
+
+The ``v1`` in every key is the unit format version (:data:`.encoding.FORMAT_VERSION`):
+a reader of one format never sees, or deletes as corrupt, units of another.
 
 Reading
 -------
