@@ -118,6 +118,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from .encoding import (
+    FORMAT_VERSION,
     MAGIC,
     MAX_HEADER_BYTES,
     CorruptUnit,
@@ -706,7 +707,7 @@ class RedisStore:
             url, scheme, username, password, db, ssl_ca_certs, ssl_certfile, ssl_keyfile,
             client_kwargs,
         )  # fmt: skip
-        self._key_base = f"{key_prefix}:v1:{{{namespace.hex[:32]}:"
+        self._key_base = f"{key_prefix}:v{FORMAT_VERSION}:{{{namespace.hex[:32]}:"
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
         self._counts["lookup_seconds_total"] = 0.0
