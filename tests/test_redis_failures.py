@@ -28,8 +28,8 @@ FAST = dict(
     lookup_timeout_s=0.3,
     retries=1,
     breaker_failures=2,
-    breaker_backoff_s=0.3,
-    breaker_max_backoff_s=1.0,
+    breaker_backoff_s=1.0,
+    breaker_max_backoff_s=2.0,
 )
 # One job: at most (retries + 1) socket timeouts and the back-off between them.
 JOB_BOUND_S = (FAST["retries"] + 1) * FAST["socket_timeout_s"] + 0.5 + 1.0  # + slack
@@ -103,7 +103,7 @@ def test_server_killed_mid_run_is_misses_and_drops_then_recovers(server, caplog)
         assert job.status == "miss" and "unavailable" in job.detail and seconds < JOB_BOUND_S
         assert not store.available
         _, seconds = timed(lambda: store.loads([(k, 0, LAYERS, o) for k, o in zip(keys, outs)]))
-        assert seconds < 0.1  # skipped by the breaker, no connection attempt
+        assert seconds < 0.25  # skipped by the breaker: no connection attempt
         m = store.metrics()
         assert m.breaker_opens >= 1 and m.breaker_skips >= 1 and not m.available
         assert m.stores_dropped >= 2 and m.loads_unavailable >= 2 and m.lookups_unavailable >= 1
@@ -140,7 +140,7 @@ def test_hung_server_is_bounded_by_the_timeouts(server) -> None:
         assert job.status == "error" and seconds < JOB_BOUND_S
         assert not store.available
         _, seconds = timed(lambda: store.store(b"j", 0, row(NS, 2), 0))
-        assert seconds < 0.1
+        assert seconds < 0.25
         server.resume()
         wait_until_stored(store, b"j")
         assert store.load(b"k", 0, LAYERS, out).ok and np.array_equal(out, row(NS, 1))
@@ -162,7 +162,7 @@ def test_unreachable_at_start_up_can_start_degraded_and_recover(tmp_path) -> Non
     try:
         assert not store.available
         job, seconds = timed(lambda: store.store(b"k", 0, row(NS, 1), 0))
-        assert job.status == "error" and seconds < 0.1
+        assert job.status == "error" and seconds < 0.25
         assert store.lookup([b"k"], 0, LAYERS) == 0
         srv.start()
         wait_until_stored(store, b"k")
