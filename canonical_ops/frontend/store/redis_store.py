@@ -1241,9 +1241,14 @@ class RedisStore:
         return memoryview(buffer)[:nbytes]
 
     def _plan_store(
-        self, req: _StoreReq, ops: list[_Op], ttl_ms: int | None, scratch: memoryview
+        self,
+        req: _StoreReq,
+        ops: list[_Op],
+        index_ops: list[_Op],
+        ttl_ms: int | None,
+        scratch: memoryview,
     ) -> tuple[_Publish, memoryview]:
-        """Append the commands publishing ``req`` to ``ops`` (see the module docstring).
+        """Append the commands publishing ``req`` to ``ops``, its index's to ``index_ops``.
 
         Returns the plan and what is left of ``scratch`` (the single value's bytes).
         """
@@ -1284,25 +1289,28 @@ class RedisStore:
             size = len(plan.manifest)
             ops.append(_Op("set", key, plan.manifest, nx=True, get=True, px=ttl_ms, size=size))
             plan.sent = total + size
-        # The index after the unit: a reader that finds the range listed finds the unit
-        # (unless evicted since). Its score is the unit's expiry, so lookups skip expired ones.
+        # The index is sent after every unit of the batch (same connection, or same
+        # node: in order), so a reader that finds a range listed finds its unit unless
+        # evicted since; and small commands do not sit between big values (measurably
+        # slower for the server). Score = the unit's expiry: lookups skip expired ranges.
         index = self._index_key(req.kd)
         member = f"{req.first}-{req.end}".encode()
         now_ms = time.time() * 1000.0
         expiry = math.inf if ttl_ms is None else now_ms + ttl_ms
-        ops.append(_Op("zadd", index, {member: expiry}, gt=True))
-        ops.append(_Op("zremrangebyscore", index, "-inf", f"({now_ms:.0f}"))
+        index_ops.append(_Op("zadd", index, {member: expiry}, gt=True))
+        index_ops.append(_Op("zremrangebyscore", index, "-inf", f"({now_ms:.0f}"))
         if ttl_ms is None:
-            ops.append(_Op("persist", index))
+            index_ops.append(_Op("persist", index))
         else:  # NX: a new index gets the TTL; GT: an existing one only ever lives longer
-            ops.append(_Op("pexpire", index, ttl_ms, nx=True))
-            ops.append(_Op("pexpire", index, ttl_ms, gt=True))
+            index_ops.append(_Op("pexpire", index, ttl_ms, nx=True))
+            index_ops.append(_Op("pexpire", index, ttl_ms, gt=True))
         return plan, scratch
 
     def _store_units(self, reqs: list[_StoreReq]) -> list[JobOutcome]:
         """Publish ``reqs``: one round trip, and a second one only for chunked units."""
         ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
         ops: list[_Op] = []
+        index_ops: list[_Op] = []
         single = [
             header_length(r.raw_key) + len(r.payload)
             for r in reqs
@@ -1311,10 +1319,10 @@ class RedisStore:
         scratch = self._scratch(sum(single))
         plans = []
         for req in reqs:
-            plan, scratch = self._plan_store(req, ops, ttl_ms, scratch)
+            plan, scratch = self._plan_store(req, ops, index_ops, ttl_ms, scratch)
             plans.append(plan)
         try:
-            replies = self._roundtrip(ops)
+            replies = self._roundtrip(ops + index_ops)
         except _Unavailable as why:
             self._count("stores_dropped", len(reqs))
             return [JobOutcome("error", detail=f"dropped: {why}") for _ in reqs]
