@@ -152,6 +152,13 @@ def test_empty_batches_are_no_round_trip(store) -> None:
     assert store.metrics().round_trips == before
 
 
+def test_lookup_does_not_count_an_evicted_unit_still_indexed(store, admin) -> None:
+    store.stores([(k, 0, row(NS, k), k) for k in range(4)])
+    admin.delete(store.unit_key(2, 0, LAYERS))  # as allkeys-lru would: the index stays
+    assert admin.zrange(store.index_key(2), 0, -1) == [b"0-32"]
+    assert store.lookup(list(range(4)), 0, LAYERS) == 2
+
+
 def test_load_misses_leave_the_destination_unreported(store) -> None:
     store.store(b"present", 0, row(NS, 1), 0)
     outs = [np.zeros(NS.total_bytes, np.uint8) for _ in range(2)]
@@ -554,7 +561,7 @@ def secured(tmp_path_factory):
         AclUser(
             "minimal",
             "minimal-pw",
-            "+get +set +del +persist +pexpire +zadd +zrange +zremrangebyscore +zrem",
+            "+get +set +exists +del +persist +pexpire +zadd +zrange +zremrangebyscore +zrem",
             "~ckv:*",
         ),
         AclUser("readonly", "readonly-pw", "+get +zrange", "~ckv:*"),

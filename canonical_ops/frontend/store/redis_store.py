@@ -66,11 +66,14 @@ misses too (and cleaned up).
 Pipeline splits
 ---------------
 Each store adds ``"<first>-<end>"`` to the block key's index (``ZADD GT``,
-score = its expiry) in the same pipeline as the unit. A reader whose stage
-owns layers ``[a, b)`` reads the index in its lookup round trip and covers
-``[a, b)`` with the stored ranges: the exact unit if present, else greedy
-longest-first, as the file store does. A load first tries the exact unit and
-reads the index in the same round trip; a cross-split load takes a second
+score = its expiry) in the same pipeline as the unit, after it. A reader
+whose stage owns layers ``[a, b)`` reads the index in its lookup round trip
+(with an ``EXISTS`` of its exact unit) and covers ``[a, b)`` with the stored
+ranges: the exact unit if present, else greedy longest-first, as the file
+store does. A lookup is exact for the reader's own split; a cover from other
+splits is taken on the index's word (a unit evicted since is a miss at load
+time, which then drops it from the index). A load first tries the exact unit
+and reads the index in the same round trip; a cross-split load takes a second
 round trip for the covering units (and one more for chunks of chunked ones).
 
 Failures
@@ -90,7 +93,7 @@ no exception reaches the caller from a job or a lookup. Wrong credentials
 :class:`RedisStoreError` naming the URL; an unreachable server at start-up is
 one too unless ``require_server=False`` (then a warning and the breaker open).
 
-Only commands Valkey also has are used: GET, SET (NX, GET, PX), DEL,
+Only commands Valkey also has are used: GET, SET (NX, GET, PX), EXISTS, DEL,
 PERSIST, PEXPIRE (NX, GT), ZADD (GT), ZRANGE (BYSCORE), ZREMRANGEBYSCORE and
 ZREM; Redis >= 7.0 or Valkey >= 7.2 (SET NX GET needs 7.0).
 """
@@ -829,6 +832,7 @@ class RedisStore:
             _Op("set", probe, b"x", nx=True, get=True, px=10_000),
             _Op("zadd", probe + ":idx", {b"0-1": math.inf}, gt=True),
             _Op("zrange", probe + ":idx", 0, "+inf", byscore=True),
+            _Op("exists", probe),
             _Op("pexpire", probe + ":idx", 10_000, nx=True),
             *_deletes([probe, probe + ":idx"]),
         ]
@@ -865,7 +869,7 @@ class RedisStore:
             if isinstance(result, redis.exceptions.NoPermissionError):
                 raise RedisStoreError(
                     f"url: the user of {self.url!r} may not run the commands this tier needs "
-                    f"(GET SET DEL PERSIST PEXPIRE ZADD ZRANGE ZREMRANGEBYSCORE ZREM on keys "
+                    f"(GET SET EXISTS DEL PERSIST PEXPIRE ZADD ZRANGE ZREMRANGEBYSCORE ZREM on keys "
                     f"{self._key_base.split(':{')[0]}:*): {result}"
                 )
             if isinstance(result, redis.exceptions.AuthenticationError):
@@ -1094,18 +1098,29 @@ class RedisStore:
         started = time.perf_counter()
         found, unavailable = 0, False
         if raws:
+            # Per key: its index, and whether the exact unit is there. The index may still
+            # list a unit the server evicted; for the common case (the same split) the
+            # EXISTS makes the answer exact. Covers from other splits are not checked.
             now_ms = time.time() * 1000.0
-            ops = [_zrange(self._index_key(_digest(k)), now_ms) for k in raws]
+            ops = []
+            for raw in raws:
+                kd = _digest(raw)
+                ops.append(_zrange(self._index_key(kd), now_ms))
+                ops.append(_Op("execute_command", "EXISTS", self._unit_key(kd, first, end)))
             try:
                 replies = self._roundtrip(ops, lookup=lookup)
             except _Unavailable:
                 unavailable = True
                 replies = []
-            for reply in replies:
-                if (
-                    isinstance(reply, Exception)
-                    or _cover(self._parse_ranges(reply), first, end) is None
-                ):
+            for members, exists in zip(replies[0::2], replies[1::2]):
+                if isinstance(members, Exception) or isinstance(exists, Exception):
+                    break
+                ranges = self._parse_ranges(members)
+                if exists:
+                    ranges.add((first, end))
+                else:
+                    ranges.discard((first, end))
+                if _cover(ranges, first, end) is None:
                     break
                 found += 1
         elapsed = time.perf_counter() - started
