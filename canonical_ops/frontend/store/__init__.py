@@ -5,7 +5,9 @@ region row of the pipeline stage that owns those layers. Units are tagged by a
 :class:`StoreNamespace` (model, format, every layer's geometry; not TP/PP/CP of
 a certified model), encoded once (:mod:`.encoding`, shared with future tiers),
 and moved by I/O jobs of a bounded :class:`JobPool`. :class:`FileStore` keeps
-them in files under a directory shared by processes and engines.
+them in files under a directory shared by processes and engines;
+:class:`RedisStore` keeps the same units on a Redis / Valkey server or cluster
+shared by engines on many hosts (batched: one round trip per batch).
 
 Quickstart
 ----------
@@ -33,6 +35,13 @@ from .encoding import (
 from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
 from .jobs import IOJob, JobOutcome, JobPool, PoolStats
 from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
+from .redis_store import (
+    LoadItem,
+    RedisStore,
+    RedisStoreError,
+    RedisStoreMetrics,
+    StoreItem,
+)
 
 __all__ = [
     "CorruptUnit",
@@ -42,9 +51,14 @@ __all__ = [
     "JobOutcome",
     "JobPool",
     "LayerGeometry",
+    "LoadItem",
     "ModelIdentity",
     "PayloadVerifier",
     "PoolStats",
+    "RedisStore",
+    "RedisStoreError",
+    "RedisStoreMetrics",
+    "StoreItem",
     "StoreMetrics",
     "StoreNamespace",
     "StoreRootError",
