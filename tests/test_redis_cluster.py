@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import redis
 from helpers.redis_server import RedisBinaryMissing, RedisClusterNodes, redis_binaries
-from store_helpers import row, small_namespace
+from helpers.store import row, small_namespace
 
 from canonical_ops.frontend.store import RedisStore, RedisStoreError
 

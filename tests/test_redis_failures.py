@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from helpers.redis_server import RedisBinaryMissing, RedisServer, free_port, redis_binaries
-from store_helpers import row, small_namespace
+from helpers.store import row, small_namespace
 
 from canonical_ops.frontend.store import RedisStore
 from canonical_ops.frontend.store.redis_store import _Breaker

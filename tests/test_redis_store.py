@@ -23,7 +23,7 @@ from helpers.redis_server import (
     free_port,
     redis_binaries,
 )
-from store_helpers import row, small_namespace, start_child
+from helpers.store import row, small_namespace, start_child
 
 from canonical_ops.frontend.store import (
     JobPool,
@@ -404,7 +404,7 @@ def test_writer_dying_before_keeping_its_chunks_leaves_a_miss_then_nothing(
 WRITER = """
 import json, os, sys, time
 import numpy as np
-from store_helpers import row, small_namespace
+from helpers.store import row, small_namespace
 from canonical_ops.frontend.store import RedisStore
 
 url, writer, count, max_value, go = sys.argv[1:6]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.redis_server import RedisBinaryMissing, RedisServer, make_tls_files, redis_binaries
-from store_helpers import row, small_namespace
+from helpers.store import row, small_namespace
 
 from canonical_ops.frontend.store import RedisStore, RedisStoreError
 

@@ -120,6 +120,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from ...checks import check_int
 from .encoding import (
     FORMAT_VERSION,
     MAGIC,
@@ -189,24 +190,6 @@ class _Unavailable(Exception):
 
 
 # ---------------------------------------------------------------------- checks
-
-
-def _check_int(
-    name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    """Same semantics as ``canonical_ops.checks.check_int`` (not on this branch yet)."""
-    if minimum is not None and maximum is not None:
-        expected = f"an int in [{minimum}, {maximum}]"
-    elif minimum is not None:
-        expected = f"an int >= {minimum}"
-    else:
-        expected = "an int"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
-    number = int(value)
-    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-        raise ValueError(f"{name}: expected {expected}, got {number}")
-    return number
 
 
 def _check_seconds(name: str, value: Any, *, optional: bool = False) -> float | None:
@@ -704,20 +687,20 @@ class RedisStore:
         username = _check_str("username", username)
         password = _check_str("password", password)
         if db is not None:
-            db = _check_int("db", db, minimum=0)
+            db = check_int("db", db, minimum=0)
         self.ttl_s = _check_seconds("ttl_s", ttl_s, optional=True)
-        self.max_value_bytes = _check_int(
+        self.max_value_bytes = check_int(
             "max_value_bytes", max_value_bytes, minimum=_MIN_VALUE_BYTES, maximum=_MAX_VALUE_LIMIT
         )
-        self.max_pipeline_bytes = _check_int(
+        self.max_pipeline_bytes = check_int(
             "max_pipeline_bytes", max_pipeline_bytes, minimum=self.max_value_bytes
         )
         self.socket_timeout_s = _check_seconds("socket_timeout_s", socket_timeout_s)
         self.connect_timeout_s = _check_seconds("connect_timeout_s", connect_timeout_s)
         self.lookup_timeout_s = _check_seconds("lookup_timeout_s", lookup_timeout_s)
-        self.retries = _check_int("retries", retries, minimum=0, maximum=10)
+        self.retries = check_int("retries", retries, minimum=0, maximum=10)
         self.chunk_pending_s = _check_seconds("chunk_pending_s", chunk_pending_s)
-        breaker_failures = _check_int("breaker_failures", breaker_failures, minimum=1)
+        breaker_failures = check_int("breaker_failures", breaker_failures, minimum=1)
         backoff = _check_seconds("breaker_backoff_s", breaker_backoff_s)
         max_backoff = _check_seconds("breaker_max_backoff_s", breaker_max_backoff_s)
         if max_backoff < backoff:
@@ -749,9 +732,9 @@ class RedisStore:
                 raise ValueError(
                     "threads, queue_depth: expected None with a shared pool (it has its own)"
                 )
-        threads = 4 if threads is None else _check_int("threads", threads, minimum=1)
+        threads = 4 if threads is None else check_int("threads", threads, minimum=1)
         queue_depth = (
-            64 if queue_depth is None else _check_int("queue_depth", queue_depth, minimum=1)
+            64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
         )
 
         self._options = self._client_options(
@@ -1107,7 +1090,7 @@ class RedisStore:
                 f"{name}.payload: expected {expected} bytes (layers [{first}, {end})), "
                 f"got {len(view)}"
             )
-        position = _check_int(f"{name}.position", item.position, minimum=0, maximum=(1 << 63) - 1)
+        position = check_int(f"{name}.position", item.position, minimum=0, maximum=(1 << 63) - 1)
         return _StoreReq(raw_key, first, end, position, view)
 
     def _load_req(self, item: Any, name: str) -> _LoadReq:
