@@ -162,13 +162,20 @@ void check_storage_extent(const at::Tensor& t, int64_t last_byte_end, const std:
                     " of its storage, which holds only ", storage_bytes, " bytes");
 }
 
-void check_ids_tensor(const char* name, const at::Tensor& ids, const at::Device& kv_device) {
+void check_ids_tensor(const char* name, const at::Tensor& ids, const at::Device& kv_device,
+                      bool capturing) {
   TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, name, ": expected dtype int64, got ",
                    ids.scalar_type());
   TORCH_CHECK_VALUE(ids.dim() == 1, name, ": expected a 1-D tensor, got ", ids.dim(), "-D");
   TORCH_CHECK_VALUE(ids.is_contiguous(), name, ": expected a contiguous tensor");
   if (kv_device.is_cpu()) {
     TORCH_CHECK_VALUE(ids.device().is_cpu(), name, ": expected a CPU tensor like kv_caches, got ",
+                      device_str(ids.device()));
+  } else if (capturing) {
+    // Pinned host ids would be read at replay, after (and unlike) the host checks; and
+    // is_pinned() asks the driver, which a captured call does not do.
+    TORCH_CHECK_VALUE(ids.device() == kv_device, name, ": expected a tensor on ",
+                      device_str(kv_device), " while capturing a CUDA graph, got ",
                       device_str(ids.device()));
   } else {
     const bool on_kv_device = ids.device() == kv_device;
@@ -338,7 +345,9 @@ void verify_plan_words(const int64_t* w, int64_t num_words) {
       const int64_t* frag = plan.fragment(f);
       if (frag[kFragmentLayer] != l) corrupt_fragment(f, l, kFragmentLayer, "another layer's");
       const int64_t size = frag[kFragmentBytes];
-      if (size <= 0) corrupt_fragment(f, l, kFragmentBytes, str(size, " (expected > 0)"));
+      if (size <= 0 || size > rec[kLocalPageBytes] || size > rec[kCanonicalPageBytes]) {
+        corrupt_fragment(f, l, kFragmentBytes, str(size, " (expected 0 < size <= both pages)"));
+      }
       if (frag[kLocalOffset] < 0 || !sum_at_most(frag[kLocalOffset], size, rec[kLocalPageBytes])) {
         corrupt_fragment(f, l, kLocalOffset, "leaves the local page");
       }
@@ -371,7 +380,8 @@ void verify_plan_words(const int64_t* w, int64_t num_words) {
 
 CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pages,
                        const at::Tensor& plan, const at::Tensor& block_ids,
-                       const at::Tensor& page_ids, const PlanView& host_plan, bool store) {
+                       const at::Tensor& page_ids, const PlanView& host_plan, bool store,
+                       bool capturing) {
   TORCH_CHECK_VALUE(!kv_caches.empty(), op, ": kv_caches: expected one tensor per layer, got none");
   const at::Device device = kv_caches[0].device();
   TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(),
@@ -433,14 +443,16 @@ CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tenso
         "cpu_pages: its rows span more than 2^63 bytes");
     check_storage_extent(cpu_pages, extent, "cpu_pages");
   }
-  if (device.is_cuda()) {
+  // (During capture the CUDA dispatch checks cpu_pages against the pinned range resolved
+  // outside capture instead: is_pinned() asks the driver.)
+  if (device.is_cuda() && !capturing) {
     TORCH_CHECK_VALUE(cpu_pages.is_pinned(),
                       "cpu_pages: expected pinned (or cudaHostRegister'ed) memory for CUDA "
                       "kv_caches");
   }
 
-  check_ids_tensor("block_ids", block_ids, device);
-  check_ids_tensor("page_ids", page_ids, device);
+  check_ids_tensor("block_ids", block_ids, device, capturing);
+  check_ids_tensor("page_ids", page_ids, device, capturing);
   TORCH_CHECK_VALUE(block_ids.numel() == page_ids.numel(),
                     "page_ids: expected as many ids as block_ids (", block_ids.numel(), "), got ",
                     page_ids.numel());

@@ -39,11 +39,7 @@ PlanHandle cuda_plan_entry(const at::Tensor& plan, bool capturing) {
 
 const int64_t* ids_address(const char* name, const at::Tensor& ids, bool capturing) {
   if (ids.is_cuda()) return ids.data_ptr<int64_t>();
-  // Pinned host ids are read by the kernel when it runs (a replay would read whatever
-  // they hold then, unchecked by the host): not inside a captured graph.
-  TORCH_CHECK_VALUE(!capturing, name,
-                    ": expected a CUDA tensor while capturing a CUDA graph (pinned host ids "
-                    "would be read at replay, after the host checks)");
+  TORCH_CHECK_VALUE(!capturing, name, ": expected a CUDA tensor while capturing a CUDA graph");
   return reinterpret_cast<const int64_t*>(device_address(name, ids.data_ptr<int64_t>()));
 }
 
@@ -102,6 +98,8 @@ void copy_cuda(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_p
                     plan.device().str());
   TORCH_CHECK_VALUE(static_cast<int64_t>(kv_caches.size()) <= kMaxLayers, "kv_caches: at most ",
                     kMaxLayers, " layers per plan on CUDA, got ", kv_caches.size());
+  // The calls below ask the driver nothing while the stream captures: a guard on the
+  // current device, cudaStreamIsCapturing, then (outside capture only) pointer queries.
   const c10::cuda::CUDAGuard guard(plan.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const bool capturing = stream_is_capturing(stream);
@@ -109,8 +107,8 @@ void copy_cuda(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_p
   const KernelProperties* kernels = device_kernels(entry->device, /*may_query=*/!capturing);
   TORCH_CHECK_VALUE(kernels != nullptr, "plan: register it (make_plan) before capturing");
   const PlanView host_view{entry->words.data()};
-  const CallInfo info =
-      validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, host_view, store);
+  const CallInfo info = validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids,
+                                      host_view, store, capturing);
   int64_t total = 0;
   TORCH_CHECK_VALUE(checked_mul(info.num_pairs, host_view.num_fragments(), &total),
                     "block_ids: too many pairs for this plan (pairs x fragments overflows int64)");

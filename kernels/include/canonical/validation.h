@@ -34,11 +34,14 @@ void verify_plan_words(const int64_t* words, int64_t num_words);
 // Checks every argument of canonical_store / canonical_load against the plan
 // (whose words must be verified and readable on the host). `store` picks which
 // ids must be unique (the destinations: page ids of a store, block ids of a load).
-// Throws ValueError / TypeError / IndexError naming the argument and the expected
-// value.
+// `capturing` (CUDA stream capture): ids must be on the device and no check asks the
+// driver (cpu_pages' pinning is then checked by the caller against a range resolved
+// outside capture). Throws ValueError / TypeError / IndexError naming the argument and
+// the expected value.
 CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pages,
                        const at::Tensor& plan, const at::Tensor& block_ids,
-                       const at::Tensor& page_ids, const PlanView& host_plan, bool store);
+                       const at::Tensor& page_ids, const PlanView& host_plan, bool store,
+                       bool capturing = false);
 
 // The tensor record (kTensorWords words: scalar type, ndim, sizes, strides) the plan
 // keeps of a kv cache tensor; `name` is used in errors (too many dims).
