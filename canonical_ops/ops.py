@@ -12,6 +12,7 @@ from .checks import check_ids, check_int
 
 __all__ = [
     "CanonicalTransferError",
+    "CudaJobPools",
     "ErrorRecords",
     "check_device_errors",
     "check_unique_ids",
@@ -173,20 +174,25 @@ class ErrorRecords:
     Parameters
     ----------
     chunk : int
-        Records allocated at a time (pinned int64 (chunk, ERROR_RECORD_WORDS)).
+        Records allocated at a time (int64 (chunk, ERROR_RECORD_WORDS)).
+    pin : bool
+        Pinned memory (what CUDA kernels need); False only for CPU-only tests.
     """
 
-    def __init__(self, chunk: int = 64) -> None:
+    def __init__(self, chunk: int = 64, *, pin: bool = True) -> None:
         self._chunk = check_int("chunk", chunk, minimum=1)
+        self._pin = bool(pin)
         self._chunks: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
 
     def acquire(self) -> torch.Tensor:
-        """A zeroed record: a pinned int64 (ERROR_RECORD_WORDS,) tensor."""
+        """A zeroed record: an int64 (ERROR_RECORD_WORDS,) view of a pinned chunk."""
         if not self._free:
-            chunk = torch.zeros(self._chunk, ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+            chunk = torch.zeros(
+                self._chunk, ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=self._pin
+            )
             self._chunks.append(chunk)
-            self._free.extend(chunk.unbind(0))
+            self._free.extend(reversed(chunk.unbind(0)))
         return self._free.pop()
 
     def release(
@@ -197,12 +203,55 @@ class ErrorRecords:
     ) -> CanonicalTransferError | None:
         """Read ``record`` (its job's kernels have completed), clear it and take it back.
 
-        Returns the job's error, or None.
+        Returns the job's error (naming the refused pair's ids when ``block_ids`` /
+        ``page_ids`` are the call's host ids), or None.
         """
         error = transfer_error(record.tolist(), block_ids, page_ids)
         record.zero_()
         self._free.append(record)
         return error
+
+
+class CudaJobPools:
+    """Reusable per-job resources of an offload worker on CUDA: events, pinned staging for
+    host ids, and error records (:class:`ErrorRecords`).
+
+    A job takes what it needs at submission and gives it back when its event has
+    completed, so a steady stream of jobs allocates nothing. Nothing taken is freed while
+    in use (a kernel, a copy or an event may still refer to it).
+
+    Parameters
+    ----------
+    timing : bool
+        Events record timing (``elapsed_time``); otherwise the cheaper untimed events.
+    pin : bool
+        Pinned staging and records; False only for CPU-only tests of the bookkeeping.
+    """
+
+    def __init__(self, *, timing: bool = False, pin: bool = True) -> None:
+        self.timing = bool(timing)
+        self.errors = ErrorRecords(pin=pin)
+        self._pin = bool(pin)
+        self._events: list[torch.cuda.Event] = []
+        self._staging: dict[int, list[torch.Tensor]] = {}
+
+    def event(self) -> torch.cuda.Event:
+        """An event to record a job's end (or start) on its stream."""
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=self.timing)
+
+    def release_event(self, event: torch.cuda.Event) -> None:
+        self._events.append(event)
+
+    def staging(self, count: int) -> torch.Tensor:
+        """Pinned int64 (capacity,) with capacity >= ``count`` (a power of two, >= 128)."""
+        capacity = max(128, 1 << max(0, int(count) - 1).bit_length())
+        free = self._staging.setdefault(capacity, [])
+        return (
+            free.pop() if free else torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
+        )
+
+    def release_staging(self, buffer: torch.Tensor) -> None:
+        self._staging.setdefault(buffer.numel(), []).append(buffer)
 
 
 def set_sm_budget(sms: int) -> int:

@@ -33,7 +33,7 @@ from layouts import (
 )
 
 from ..checks import check_ids, check_int
-from ..ops import check_device_errors
+from ..ops import CudaJobPools, check_unique_ids
 from ..plan import default_area_offsets, make_plan
 
 __all__ = ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
@@ -105,6 +105,12 @@ class TransferJob:
     error: BaseException | None = None
     _done_event: torch.cuda.Event | None = field(default=None, repr=False)
     _keep_alive: tuple = field(default=(), repr=False)
+    # CUDA: the job's own device-error record (pinned, written by its kernel), the host
+    # ids it was given (to name a refused pair) and the pooled staging buffer, all handed
+    # back to the worker's pools when the job's event has completed.
+    _error_record: torch.Tensor | None = field(default=None, repr=False)
+    _host_ids: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _staging: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -229,19 +235,79 @@ class OffloadWorker:
             finally:
                 job.finished_at = time.perf_counter()
             return job
+        pools = self._cuda_pools()
+        reporting = (
+            torch.ops.canonical._canonical_store_reporting
+            if kind == "store"
+            else torch.ops.canonical._canonical_load_reporting
+        )
+        on_device = [isinstance(ids, torch.Tensor) and ids.is_cuda for ids in (block_ids, page_ids)]
+        staging = host_ids = None
+        if not any(on_device):
+            # Host ids: checked here (range, distinct destinations) as the op checks host
+            # ids, then one H2D copy from a pooled pinned buffer on the transfer stream.
+            host_ids = self._checked_host_ids(kind, block_ids, page_ids)
+            count = len(host_ids[0])
+            staging = pools.staging(2 * count)
+            staging[:count] = torch.from_numpy(host_ids[0])
+            staging[count : 2 * count] = torch.from_numpy(host_ids[1])
+        record = pools.errors.acquire()
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # KV written by queued compute is complete
         with torch.cuda.stream(self._stream):
-            blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
-            if kind == "store":
-                launch(blocks, pages)
+            if staging is not None:
+                ids = staging[: 2 * count].to(self.device, non_blocking=True)
+                blocks, pages = ids[:count], ids[count:]
             else:
-                launch(pages, blocks)
-            job._done_event = torch.cuda.Event()
+                # Device ids cannot be checked on the host without a sync: the kernel
+                # refuses out-of-range ones (the job's error); repeated destinations are
+                # the caller's responsibility (documented).
+                blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
+            try:
+                reporting(self.kv_caches, self.cpu_pages, self.plan, blocks, pages, record)
+            except BaseException:
+                # Refused before any launch: the record was never handed to a kernel. The
+                # staging buffer may feed a queued copy: left to torch's pinned allocator.
+                pools.errors.release(record)
+                raise
+            job._done_event = pools.event()
             job._done_event.record(self._stream)
+        job._error_record, job._host_ids, job._staging = record, host_ids, staging
         job._keep_alive = (blocks, pages)  # ids must outlive the kernel
         self._in_flight.append(job)
         return job
+
+    def _cuda_pools(self) -> CudaJobPools:
+        """The worker's reusable per-job CUDA resources (created on the first CUDA job)."""
+        pools = self.__dict__.get("_cuda_job_pools")
+        if pools is None:
+            pools = self.__dict__["_cuda_job_pools"] = CudaJobPools()
+        return pools
+
+    def _checked_host_ids(self, kind: str, block_ids, page_ids) -> tuple[np.ndarray, np.ndarray]:
+        """Host ids as int64 arrays, checked as the op checks host ids (IndexError for a
+        block or page that does not exist, ValueError for a repeated destination)."""
+        blocks, pages = (
+            np.ascontiguousarray(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids)
+            for ids in (block_ids, page_ids)
+        )
+        if len(blocks) != len(pages):
+            raise ValueError(
+                f"page_ids: expected as many ids as block_ids ({len(blocks)}), got {len(pages)}"
+            )
+        num_blocks = min(int(kv.size(0)) for kv in self.kv_caches)
+        num_pages = int(self.cpu_pages.size(0)) * self.pages_per_row
+        for name, ids, limit in (("block_ids", blocks, num_blocks), ("page_ids", pages, num_pages)):
+            bad = np.flatnonzero((ids < 0) | (ids >= limit))
+            if bad.size:
+                raise IndexError(
+                    f"{name}[{int(bad[0])}] = {int(ids[bad[0]])}: expected 0 <= id < {limit}"
+                )
+        if kind == "store":
+            check_unique_ids("page_ids", pages, "page ids in a store (destinations)")
+        else:
+            check_unique_ids("block_ids", blocks, "block ids in a load (destinations)")
+        return blocks, pages
 
     def store(self, block_ids, page_ids) -> TransferJob:
         """Store blocks into canonical pages (this rank's elected bytes only)."""
@@ -252,15 +318,23 @@ class OffloadWorker:
         return self._submit("load", block_ids, page_ids)
 
     def _finish(self, job: TransferJob) -> None:
+        """Book a completed job: read its own error record (a host read of pinned memory,
+        no CUDA call) and hand its pooled resources back."""
         job.finished_at = time.perf_counter()
         job._keep_alive = ()
-        try:
-            check_device_errors(self.plan)
-        except Exception as error:
-            job.error = error
+        if job._error_record is None:
+            return
+        pools = self._cuda_pools()
+        blocks, pages = job._host_ids if job._host_ids is not None else (None, None)
+        job.error = pools.errors.release(job._error_record, blocks, pages)
+        if job._staging is not None:
+            pools.release_staging(job._staging)
+        pools.release_event(job._done_event)
+        job._error_record = job._staging = job._host_ids = job._done_event = None
 
     def poll(self) -> list[TransferJob]:
-        """Jobs finished since the last poll/wait (without blocking)."""
+        """Jobs finished since the last poll/wait, without blocking: one event query per
+        job in flight, nothing queued on (or waiting for) the compute stream."""
         finished = [j for j in self._in_flight if j._done_event is None or j._done_event.query()]
         for job in finished:
             self._in_flight.remove(job)
@@ -268,7 +342,7 @@ class OffloadWorker:
         return finished
 
     def wait(self, job: TransferJob) -> TransferJob:
-        """Block until ``job`` is done; raises its device-side error, if any."""
+        """Block until ``job`` is done (its own event only); raises its device-side error."""
         if job in self._in_flight:
             job._done_event.synchronize()
             self._in_flight.remove(job)
