@@ -5,7 +5,7 @@ The variants (kernels/include/canonical/launch.h; ``torch.ops.canonical._kernel_
 per lane up to 512 B), ``2blk`` (launch bounds 512 x 2: at most 64 registers, 2 blocks per SM),
 ``deep`` (narrower groups: up to 4 vectors in flight per lane) and ``deep2blk`` (both).
 
-For each case (a 32-layer model on one TP rank, ids random permutations, pinned pages) and
+For each case (a 16-layer model on one TP rank, ids random permutations, pinned pages) and
 SM budget, every variant stores and loads the same pairs; the bytes each variant writes are
 checked against the ``base`` variant's, then timed with CUDA events on a side stream (best of
 N after warm-up). Prints a table and writes ``kernel_variants.json`` (and ``.md``) to --out,
@@ -37,8 +37,8 @@ class Case:
     spec: LayerSpec
     tp: int
     total_heads: int
-    layers: int = 32
-    pairs: int = 1024
+    layers: int = 16
+    pairs: int = 512
 
 
 CASES = [
