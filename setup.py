@@ -3,7 +3,10 @@
 The extension always gets the CPU kernels. It gets the CUDA kernels whenever
 nvcc and a CUDA build of torch are present (no GPU needed to compile); set
 CANONICAL_KV_BUILD_CUDA=0 to skip them or =1 to insist. TORCH_CUDA_ARCH_LIST
-defaults to "9.0" (Hopper).
+defaults to "8.0+PTX;9.0": SASS for A100 and H100/H200 and sm_80 PTX, which the
+driver JIT-compiles once for any newer GPU (L40S, B200, ...), so every GPU from
+sm_80 up runs the same build; make_plan refuses, with the reason, a GPU the build
+has no image for.
 """
 
 import os
@@ -35,6 +38,15 @@ def _want_cuda() -> tuple[bool, str]:
     return False, reason
 
 
+DEFAULT_CUDA_ARCH_LIST = "8.0+PTX;9.0"
+
+
+def _arch_list_macro(arch_list: str) -> str:
+    """The arch list as preprocessor tokens (stringified in C++), e.g. 8.0+PTX/9.0: no ';',
+    spaces or commas, which shells and nvcc's -D would split on."""
+    return "/".join(part for part in arch_list.replace(";", " ").replace(",", " ").split())
+
+
 def _extensions():
     from torch.utils import cpp_extension
 
@@ -43,7 +55,7 @@ def _extensions():
     sources = [
         "kernels/registration.cpp",
         "kernels/validation.cpp",
-        "kernels/plan_registry.cpp",
+        "kernels/settings.cpp",
         "kernels/cpu/canonical_cpu.cpp",
     ]
     # torch picks the C++ standard its headers need. -fno-wrapv undoes the -fwrapv that
@@ -56,8 +68,12 @@ def _extensions():
         cxx.append("-fopenmp")
         link.append("-fopenmp")
     if use_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-        sources += ["kernels/cuda/canonical_cuda.cpp", "kernels/cuda/canonical_kernel.cu"]
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+        sources += [
+            "kernels/plan_registry.cpp",
+            "kernels/cuda/canonical_cuda.cpp",
+            "kernels/cuda/canonical_kernel.cu",
+        ]
         print(
             f"canonical-kv: building CPU + CUDA kernels ({why}; "
             f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})"
@@ -68,7 +84,14 @@ def _extensions():
                 sources,
                 include_dirs=include,
                 define_macros=[("CANONICAL_WITH_CUDA", "1")],
-                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
+                extra_compile_args={
+                    "cxx": [
+                        *cxx,
+                        "-DCANONICAL_CUDA_ARCH_TOKENS="
+                        + _arch_list_macro(os.environ["TORCH_CUDA_ARCH_LIST"]),
+                    ],
+                    "nvcc": ["-O3", "-lineinfo"],
+                },
                 extra_link_args=link,
             )
         ]

@@ -11,14 +11,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from layouts import CanonicalPageMapping
+from layouts import CanonicalPageMapping, LayerSpec
+from layouts.spec import dtype_name
 
-from . import _extension  # noqa: F401  (registers torch.ops.canonical)
+from . import _extension
 from .checks import check_int
 
 PLAN_MAGIC = 0x31564B4E4F4E4143  # "CANONKV1", as in plan.h
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 HEADER_WORDS, LAYER_WORDS, FRAGMENT_WORDS = 16, 8, 4
+MAX_TENSOR_DIMS = 8
+TENSOR_WORDS = 2 + 2 * MAX_TENSOR_DIMS  # scalar type, ndim, sizes, strides
 # CUDA plans split fragments so one group of lanes moves at most this many bytes
 # per work item: big pages spread over many warps, small ones stay whole.
 CUDA_MAX_FRAGMENT_BYTES = 2048
@@ -58,6 +61,115 @@ def default_area_offsets(mappings: Sequence[CanonicalPageMapping], pages_per_row
     return offsets
 
 
+def spec_geometry(spec: LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides (in elements) of one block of a cache laid out as ``spec`` says.
+
+    These are the layouts :meth:`LayerSpec.from_tensor` recognises, without the
+    leading block dimension (whose stride may include padding).
+    """
+    bs, heads, hs = spec.block_size, spec.num_kv_heads, spec.head_size
+    if spec.attention == "mla":
+        return (bs, hs), (hs, 1)
+    if spec.packing == "packed":
+        if spec.order == "NHD":
+            return (heads, bs, 2 * hs), (2 * hs, heads * 2 * hs, 1)
+        return (heads, bs, 2 * hs), (bs * 2 * hs, 2 * hs, 1)
+    half = bs * heads * hs
+    if spec.order == "NHD":
+        return (2, bs, heads, hs), (half, heads * hs, hs, 1)
+    return (2, bs, heads, hs), (half, hs, bs * hs, 1)
+
+
+def describe_tensor(kv: torch.Tensor) -> str:
+    """``dtype shape (...) strides (...)`` of a tensor, for error messages."""
+    return f"{kv.dtype} shape {tuple(kv.shape)} strides {tuple(kv.stride())}"
+
+
+def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
+    """What differs between ``kv`` and the layout ``spec`` describes, or None if nothing.
+
+    ``kv`` matches when :meth:`LayerSpec.from_tensor`, given the spec's
+    attention kind, block size, head count and head size, recognises exactly
+    ``spec`` in it (same dtype, packing and order). The stride of a dimension
+    of size 1 (one head per rank, say) addresses nothing, so it is not compared:
+    a contiguous 1-head cache is both NHD and HND.
+    """
+    shape, strides = spec_geometry(spec)
+    view = kv
+    if tuple(kv.shape[1:]) == shape and kv.dim() == len(shape) + 1:
+        # Put the expected stride on size-1 dims: the same elements, unambiguous strides.
+        normalized = [kv.stride(0)] + [
+            want if size == 1 else got for size, got, want in zip(shape, kv.stride()[1:], strides)
+        ]
+        view = kv.as_strided(kv.shape, normalized, kv.storage_offset())
+    try:
+        found = LayerSpec.from_tensor(
+            view,
+            attention=spec.attention,
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            per_token_head_scales=spec.per_token_head_scales,
+            tokens_per_state=spec.tokens_per_state,
+        )
+    except ValueError:  # a dtype no KV cache is stored in: reported below
+        found = None
+    if found == spec:
+        return None
+    problems = []
+    try:
+        dtype = dtype_name(kv.dtype)
+    except ValueError:
+        dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype != spec.dtype:
+        problems.append(
+            f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
+            f"({kv.element_size()} bytes per element)"
+        )
+    layout = "MLA latent rows" if spec.attention == "mla" else f"{spec.packing} {spec.order}"
+    if tuple(kv.shape[1:]) != shape:
+        problems.append(f"shape (num_blocks, {', '.join(map(str, shape))}), got {tuple(kv.shape)}")
+    elif tuple(view.stride()[1:]) != strides:
+        seen = f", which is {found.packing} {found.order}" if found is not None else ""
+        problems.append(
+            f"strides (block, {', '.join(map(str, strides))}) in elements ({layout}), got "
+            f"{tuple(kv.stride())}{seen}"
+        )
+    if spec.attention == "mla" and (spec.packing, spec.order) != ("packed", "NHD"):
+        problems.append(
+            f"packing 'packed' and order 'NHD' for an MLA latent cache (one row per token, "
+            f"as LayerSpec.from_tensor reports it), got {spec.packing!r} and {spec.order!r}"
+        )
+    if not problems:
+        problems.append(f"{spec}, got a tensor that LayerSpec.from_tensor reads as {found}")
+    return "; ".join(problems)
+
+
+def _check_layer_tensor(
+    layer: int, mapping: CanonicalPageMapping, kv: torch.Tensor, spec: LayerSpec | None
+) -> None:
+    """``kv_caches[layer]`` is the tensor ``mapping`` (and ``spec``, when given) describe."""
+    name = f"kv_caches[{layer}]"
+    block_stride = kv.stride(0) * kv.element_size()
+    if mapping.local_page_size_bytes > block_stride:
+        raise ValueError(
+            f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes does "
+            f"not fit {name}'s block stride of {block_stride} bytes"
+        )
+    if spec is None:
+        return
+    if not isinstance(spec, LayerSpec):
+        raise TypeError(f"specs[{layer}]: expected a LayerSpec or None, got {type(spec).__name__}")
+    if mapping.local_page_size_bytes != spec.page_size_bytes:
+        raise ValueError(
+            f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes, but "
+            f"specs[{layer}] describes pages of {spec.page_size_bytes} bytes"
+        )
+    problem = spec_mismatch(kv, spec)
+    if problem is not None:
+        raise ValueError(f"{name}: does not match specs[{layer}]: expected {problem}")
+
+
 def build_plan_words(
     mappings: Sequence[CanonicalPageMapping],
     kv_caches: Sequence[torch.Tensor],
@@ -66,6 +178,7 @@ def build_plan_words(
     pages_per_row: int = 1,
     area_offsets: Sequence[int] | None = None,
     max_fragment_bytes: int | None = None,
+    specs: Sequence[LayerSpec | None] | None = None,
 ) -> np.ndarray:
     """The plan's int64 words (host numpy array); see :func:`make_plan`."""
     if isinstance(kv_caches, torch.Tensor) or not len(kv_caches):
@@ -74,6 +187,11 @@ def build_plan_words(
         raise ValueError(
             f"mappings: expected one CanonicalPageMapping per layer ({len(kv_caches)}), "
             f"got {len(mappings)}"
+        )
+    if specs is not None and (isinstance(specs, (str, LayerSpec)) or len(specs) != len(kv_caches)):
+        count = "one" if isinstance(specs, LayerSpec) else len(specs)
+        raise ValueError(
+            f"specs: expected one LayerSpec (or None) per layer ({len(kv_caches)}), got {count}"
         )
     pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
     if not isinstance(cpu_pages, torch.Tensor) or cpu_pages.dtype != torch.uint8:
@@ -126,23 +244,26 @@ def build_plan_words(
         )
 
     layer_table = np.zeros((len(mappings), LAYER_WORDS), dtype=np.int64)
+    tensor_table = np.zeros((len(mappings), TENSOR_WORDS), dtype=np.int64)
     fragment_tables = []
     first = 0
     for layer, (mapping, kv) in enumerate(zip(mappings, kv_caches)):
         name = f"kv_caches[{layer}]"
-        if not isinstance(kv, torch.Tensor) or kv.dim() < 1:
-            raise ValueError(f"{name}: expected a tensor with a leading block dimension")
+        if not isinstance(kv, torch.Tensor) or not 1 <= kv.dim() <= MAX_TENSOR_DIMS:
+            raise ValueError(
+                f"{name}: expected a tensor of 1 to {MAX_TENSOR_DIMS} dims with a leading "
+                f"block dimension"
+            )
         if kv.device != device:
             raise ValueError(
                 f"{name}: expected a tensor on {device} like kv_caches[0], got {kv.device}"
             )
+        _check_layer_tensor(layer, mapping, kv, None if specs is None else specs[layer])
         block_stride = kv.stride(0) * kv.element_size()
-        if mapping.local_page_size_bytes > block_stride:
-            raise ValueError(
-                f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes does "
-                f"not fit {name}'s block stride of {block_stride} bytes"
-            )
+        # The calls refuse a tensor whose dtype, shape or strides differ from these.
+        tensor_table[layer] = torch.ops.canonical._tensor_record(kv)
         frags = _split(mapping.fragments(), max_fragment_bytes)
+        frags = frags[frags[:, 2] > 0]  # a 0-byte page (e.g. an empty opaque layer) moves nothing
         table = np.empty((frags.shape[0], FRAGMENT_WORDS), dtype=np.int64)
         table[:, :3] = frags
         table[:, 3] = layer
@@ -164,7 +285,7 @@ def build_plan_words(
     alignment = _alignment(
         np.concatenate([fragments[:, :3].ravel(), layer_table[:, [0, 3, 4]].ravel(), [row_bytes]])
     )
-    header[:10] = (
+    header[:11] = (
         PLAN_MAGIC,
         PLAN_VERSION,
         len(mappings),
@@ -175,8 +296,9 @@ def build_plan_words(
         int(fragments[:, 2].max()) if fragments.size else 0,
         alignment,
         sum(m.local_page_size_bytes for m in mappings),
+        int(layer_table[:, 1].min()),  # min_num_blocks: a block id must exist in every layer
     )
-    return np.concatenate([header, layer_table.ravel(), fragments.ravel()])
+    return np.concatenate([header, layer_table.ravel(), fragments.ravel(), tensor_table.ravel()])
 
 
 def make_plan(
@@ -187,6 +309,7 @@ def make_plan(
     pages_per_row: int = 1,
     area_offsets: Sequence[int] | None = None,
     max_fragment_bytes: int | None = None,
+    specs: Sequence[LayerSpec | None] | None = None,
 ) -> torch.Tensor:
     """Build the transfer plan of a set of layers, once, on the kv device.
 
@@ -205,13 +328,31 @@ def make_plan(
     max_fragment_bytes : int, optional
         Split fragments above this size into work items (multiple of 16).
         Default: 2048 on CUDA (load balance), no split on CPU.
+    specs : sequence of LayerSpec or None, optional
+        What each kv cache tensor is (this rank's page). Where given,
+        ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
+        ``specs[l]`` (dtype, packing, order, heads, block and head size) and the
+        mapping's local page must be the spec's page. Where None (or no specs),
+        only the local page's fit in the block stride is checked.
 
     Returns
     -------
     torch.Tensor
-        int64 (plan_words,) on the kv device. The plan records the kv block
-        strides and counts and the row stride it was built for; the ops refuse
-        other tensors.
+        int64 (plan_words,) on the kv device. The plan records each layer's
+        tensor (dtype, shape, strides: hence block stride and count) and the row
+        stride it was built for; the ops refuse other tensors. On CUDA the plan
+        is registered: calls validate against the verified words kept by the
+        extension and the kernel reads the extension's own device copy (editing
+        the returned tensor changes nothing a kernel follows). Keep the plan
+        alive while a CUDA graph that uses it exists.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad mappings, tensors, specs or geometry (naming the argument).
+    RuntimeError
+        CUDA kv caches but an extension built without CUDA kernels, or a GPU the
+        build has no kernel image for (with the reason).
     """
     words = build_plan_words(
         mappings,
@@ -220,12 +361,19 @@ def make_plan(
         pages_per_row=pages_per_row,
         area_offsets=area_offsets,
         max_fragment_bytes=max_fragment_bytes,
+        specs=specs,
     )
     host = torch.from_numpy(words)
     device = kv_caches[0].device
     if device.type == "cpu":
         return host.clone()
+    if device.type != "cuda" or not _extension.BUILT_WITH_CUDA:
+        raise RuntimeError(
+            f"kv_caches: canonical_ops has no kernels for {device} tensors in this build "
+            f"(CUDA kernels built: {_extension.BUILT_WITH_CUDA})"
+        )
     plan = host.to(device)
-    # Keep a host copy in the extension so CUDA calls validate without a sync.
-    torch.ops.canonical._register_plan(plan, host)
+    # The extension verifies the words, keeps them (CUDA calls validate without a
+    # sync) with its own device copy for the kernel, and refuses a GPU without an image.
+    torch.ops.canonical._register_plan(plan, host, cpu_pages)
     return plan

@@ -86,6 +86,26 @@ def test_large_call_matches_reference_under_sm_budget(sms):
         canonical_ops.set_sm_budget(previous)
 
 
+def pages_view(flat: torch.Tensor, like: Pages) -> torch.Tensor:
+    """``like.tensor``'s rows over ``flat`` (a view that may start inside its storage):
+    as_strided's offset counts from the STORAGE, so add flat's own offset to the lead."""
+    return flat.as_strided(
+        tuple(like.tensor.shape), tuple(like.tensor.stride()), flat.storage_offset() + like.lead
+    )
+
+
+def test_pages_view_starts_at_the_lead_of_a_view_inside_its_storage():
+    """The registered-pages test builds cpu_pages over a view that starts inside a larger
+    allocation (page-aligned); the rows must start ``lead`` bytes into that view."""
+    rng = np.random.default_rng(0)
+    old = Pages(torch.zeros(1), torch.zeros(3, 40, dtype=torch.uint8)[:, :37], 5, 40)
+    raw = torch.from_numpy(rng.integers(0, 256, 4096 + 200, dtype=np.uint8))
+    flat = raw[1000 : 1000 + 5 + 3 * 40]
+    view = pages_view(flat, old)
+    assert view.data_ptr() == flat.data_ptr() + 5
+    assert torch.equal(view[2], flat[5 + 80 : 5 + 80 + 37])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", [0, 1, 2, 7, 13])
 def test_host_registered_pages_match_reference(seed):
@@ -103,7 +123,8 @@ def test_host_registered_pages_match_reference(seed):
     assert int(cudart.cudaHostRegister(region.data_ptr(), size, mapped)) == 0
     try:
         flat = region[: old.flat.numel()]
-        tensor = flat.as_strided(tuple(old.tensor.shape), tuple(old.tensor.stride()), old.lead)
+        tensor = pages_view(flat, old)
+        assert tensor.data_ptr() == flat.data_ptr() + old.lead
         assert tensor.is_pinned()
         setup.pages = Pages(flat, tensor, old.lead, old.row_stride)
         check_store_and_load(setup)
@@ -332,10 +353,9 @@ def test_out_of_range_device_id_among_valid_pairs(op):
         ids_tensor(pages, "cuda"),
     )
     after = _all_bytes(setup)
-    untouched = all(np.array_equal(a, b) for a, b in zip(after, before))
-    copied_valid = all(np.array_equal(a, b) for a, b in zip(after, valid_only))
-    assert untouched or copied_valid
-    with pytest.raises(canonical_ops.CanonicalTransferError, match="block"):
+    for a, b in zip(after, valid_only):  # the refused pair skipped whole, the others copied
+        assert np.array_equal(a, b)
+    with pytest.raises(canonical_ops.CanonicalTransferError, match=r"block id.*pair: 1"):
         canonical_ops.check_device_errors(setup.plan)
 
 
@@ -372,3 +392,151 @@ def test_cuda_validation(op):
     _expect_rejected(setup, fn, (kv, pages, plan, bad, ids), IndexError, "block_ids")
     _expect_rejected(setup, fn, (kv, pages, plan, ids, bad), IndexError, "page_ids")
     canonical_ops.check_device_errors(plan)  # nothing was launched, nothing reported
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", ["store", "load"])
+def test_device_block_id_in_range_for_one_layer_only_skips_the_whole_pair(op):
+    """Layers with 6 and 4 blocks: device block id 5 exists in layer 0 only; the pair is
+    skipped in BOTH layers (the README's "skips a bad pair"), the other pairs are copied."""
+    setup = _device_id_setup()
+    short = dataclasses.replace(
+        setup.kv[1], base=setup.kv[1].base[:4], tensor=setup.kv[1].tensor[:4]
+    )
+    setup.kv[1] = short
+    setup.plan = canonical_ops.make_plan(
+        setup.layout.mappings, setup.kv_tensors, setup.pages.tensor, pages_per_row=2
+    )
+    blocks, pages = np.array([0, 5, 3]), np.array([5, 1, 2])
+    fn = canonical_ops.store if op == "store" else canonical_ops.load
+    expected = _all_bytes(setup)
+    reference = ref_store if op == "store" else ref_load
+    reference(setup.layout, expected[1:], expected[0], setup.pages, [0, 3], [5, 2])
+    fn(setup.kv_tensors, setup.pages.tensor, setup.plan, ids_tensor(blocks, "cuda"),
+       ids_tensor(pages, "cuda"))  # fmt: skip
+    for a, b in zip(_all_bytes(setup), expected):
+        assert np.array_equal(a, b)
+    with pytest.raises(canonical_ops.CanonicalTransferError, match="block"):
+        canonical_ops.check_device_errors(setup.plan)
+
+
+# --------------------------------------------------------------------------- plan identity
+
+
+@pytest.mark.cuda
+def test_plan_edited_in_place_after_make_plan_is_never_followed():
+    """The kernel reads the registry's own copy of the verified words: editing the plan
+    tensor on the device (pages_per_row = 2**48, as in the overflow report) changes nothing."""
+    setup = _device_id_setup()
+    setup.plan[4] = 2**48
+    setup.plan[16 + 4] = 2**63 - 1  # layer 0's area offset
+    check_store_and_load(setup)
+
+
+@pytest.mark.cuda
+def test_plan_tensor_at_a_freed_plans_address_is_not_taken_for_it():
+    """A tensor allocated where a freed plan was (same length) is verified on its own
+    words: a corrupt one is refused, not validated against the dead plan's."""
+    setup = _device_id_setup()
+    words = setup.plan.clone()
+    address, numel = setup.plan.data_ptr(), setup.plan.numel()
+    ids = ids_tensor([1, 2], "cuda")
+    canonical_ops.store(setup.kv_tensors, setup.pages.tensor, setup.plan, ids, ids)
+    setup.plan = None
+    torch.cuda.synchronize()
+    reused = [torch.empty(numel, dtype=torch.int64, device="cuda") for _ in range(8)]
+    same = [t for t in reused if t.data_ptr() == address]
+    if not same:
+        pytest.skip("the caching allocator did not reuse the freed plan's address")
+    impostor = same[0]
+    impostor.copy_(words)
+    impostor[4] = 2**48  # corrupt: must be refused, not validated with the dead plan's words
+    with pytest.raises(ValueError, match="plan: corrupt"):
+        canonical_ops.store(setup.kv_tensors, setup.pages.tensor, impostor, ids, ids)
+
+
+@pytest.mark.cuda
+def test_registering_a_plan_tensor_twice_with_other_words_is_refused():
+    setup = _device_id_setup()
+    host = setup.plan.cpu()
+    host[6] += 1  # required_row_bytes
+    with pytest.raises(ValueError, match="plan"):
+        torch.ops.canonical._register_plan(setup.plan, host, setup.pages.tensor)
+
+
+# --------------------------------------------------------------------------- capture
+
+
+@pytest.mark.cuda
+def test_capture_refuses_pinned_host_ids_and_unregistered_pages():
+    """A captured call only launches: what it would have to ask the driver for (pinned
+    host ids' device address, pages never seen outside capture) is refused, not asked."""
+    setup = _device_id_setup()
+    pinned = ids_tensor([1, 2]).pin_memory()
+    device_ids = ids_tensor([1, 2], "cuda")
+    other_pages = setup.pages.tensor.clone().pin_memory()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        canonical_ops.store(
+            setup.kv_tensors, setup.pages.tensor, setup.plan, device_ids, device_ids
+        )
+    torch.cuda.synchronize()
+    for args, name in (
+        ((setup.pages.tensor, pinned, device_ids), "block_ids"),
+        ((other_pages, device_ids, device_ids), "cpu_pages"),
+    ):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match=name), torch.cuda.graph(graph):
+            canonical_ops.store(setup.kv_tensors, args[0], setup.plan, args[1], args[2])
+        torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", range(4))
+def test_graph_replay_is_bit_exact_for_every_kernel_variant(variant):
+    previous = torch.ops.canonical._set_kernel_variant(variant)
+    try:
+        test_cuda_graph_capture_and_replay_of_store_then_load()
+    finally:
+        torch.ops.canonical._set_kernel_variant(previous)
+
+
+# --------------------------------------------------------------------------- build / variants
+
+
+@pytest.mark.cuda
+def test_kernel_image_and_properties_for_this_gpu():
+    """The build runs on this GPU (SASS or JIT from the sm_80 PTX); every compiled kernel
+    reports sane registers and occupancy."""
+    device = torch.cuda.current_device()
+    torch.ops.canonical._check_cuda_kernels(device)
+    props = np.array(torch.ops.canonical._kernel_properties(device)).reshape(-1, 6)
+    assert props.shape == (6, 6)
+    lanes, min_blocks, regs, blocks_per_sm, binary, _ptx = props.T
+    assert sorted(set(lanes)) == [8, 16, 32] and sorted(set(min_blocks)) == [1, 2]
+    assert (regs > 0).all() and (regs[min_blocks == 2] <= 64).all()
+    assert (blocks_per_sm >= 1).all() and (blocks_per_sm[min_blocks == 2] >= 2).all()
+    assert (binary > 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", range(4))
+@pytest.mark.parametrize("seed", [0, 5, 9, 21])
+def test_every_kernel_variant_matches_reference(variant, seed):
+    previous = torch.ops.canonical._set_kernel_variant(variant)
+    try:
+        check_store_and_load(build_setup(random_case(seed), device="cuda", pin=True))
+    finally:
+        torch.ops.canonical._set_kernel_variant(previous)
+
+
+def test_kernel_variants_are_listed_and_selectable():
+    names = torch.ops.canonical._kernel_variants()
+    assert names == ["base", "2blk", "deep", "deep2blk"]
+    previous = torch.ops.canonical._set_kernel_variant(2)
+    try:
+        assert torch.ops.canonical._set_kernel_variant(3) == 2
+    finally:
+        torch.ops.canonical._set_kernel_variant(previous)
+    with pytest.raises(ValueError, match="variant"):
+        torch.ops.canonical._set_kernel_variant(4)

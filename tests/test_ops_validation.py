@@ -15,6 +15,7 @@ import torch
 from helpers.ops import KVCache, PageLayout, ids_tensor, make_kv_cache, make_pages, typed_view
 
 import canonical_ops
+from canonical_ops import _extension  # noqa: F401  (registers torch.ops.canonical)
 from layouts import LayerSpec, derive_group_mappings
 
 PAGES_PER_ROW = 2

@@ -113,6 +113,9 @@ FORMAT_VERSION = 1
 STATE_INIT, STATE_READY, STATE_CLOSED = 0, 1, 2
 FILE_PREFIX = "canonical-kv-"
 PIN_CHUNK_BYTES = 1 << 30
+# cudaHostRegister flags (cuda_runtime_api.h): usable by every context, with a device address.
+_HOST_REGISTER_PORTABLE = 0x1
+_HOST_REGISTER_MAPPED = 0x2
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 # magic, version, header bytes, num_rows, row_bytes, world_size, state, creator pid,
@@ -953,39 +956,41 @@ class SharedOffloadRegion:
         del pages
 
     def _pin_data(self) -> None:
-        from cuda.bindings import runtime as cudart
+        """Page-lock the data area (portable | mapped) in PIN_CHUNK_BYTES chunks.
 
+        Uses torch's own CUDA runtime (``torch.cuda.cudart()``, no extra dependency), so
+        the registration happens in torch's context on torch's current device: set the
+        device (``torch.cuda.set_device``) before creating the region, or the call
+        creates a context on device 0. Portable registrations serve every device.
+        """
         assert self._mmap is not None
+        cudart = torch.cuda.cudart()
         view = np.frombuffer(self._mmap, dtype=np.uint8)
         base = view.ctypes.data + HEADER_BYTES
         del view
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
         for offset in range(0, self.data_bytes, PIN_CHUNK_BYTES):
             size = min(PIN_CHUNK_BYTES, self.data_bytes - offset)
-            (err,) = cudart.cudaHostRegister(
-                base + offset,
-                size,
-                cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped,
-            )
-            if err != cudart.cudaError_t.cudaSuccess:
-                _, text = cudart.cudaGetErrorString(err)
+            err = cudart.cudaHostRegister(base + offset, size, flags)
+            if int(getattr(err, "value", err)) != 0:
+                text = cudart.cudaGetErrorString(err)
                 self._unpin()
                 raise RuntimeError(
                     f"cudaHostRegister of {size} bytes at offset {offset} of {self.path} "
-                    f"failed: {err.name} ({text.decode(errors='replace')})"
+                    f"on cuda:{torch.cuda.current_device()} failed: {text} ({int(err)})"
                 )
             self._pinned_chunks.append(base + offset)
 
     def _unpin(self) -> None:
         if not self._pinned_chunks:
             return
-        from cuda.bindings import runtime as cudart
-
+        cudart = torch.cuda.cudart()
         failures = []
         while self._pinned_chunks:
             ptr = self._pinned_chunks.pop()
-            (err,) = cudart.cudaHostUnregister(ptr)
-            if err != cudart.cudaError_t.cudaSuccess:
-                failures.append(f"{ptr:#x}: {err.name}")
+            err = cudart.cudaHostUnregister(ptr)
+            if int(getattr(err, "value", err)) != 0:
+                failures.append(f"{ptr:#x}: {cudart.cudaGetErrorString(err)}")
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed for {', '.join(failures)}")
 

@@ -53,11 +53,10 @@ from layouts import (
     derive_group_mappings,
     opaque_fallback_mapping,
 )
-from layouts.spec import dtype_name
 
 from ..checks import check_ids, check_int
-from ..ops import check_device_errors
-from ..plan import default_area_offsets, make_plan
+from ..ops import CudaJobPools, check_unique_ids
+from ..plan import default_area_offsets, describe_tensor, make_plan, spec_mismatch
 
 __all__ = [
     "OffloadWorker",
@@ -167,89 +166,6 @@ def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row:
     return sum(pages_per_row * m.canonical_page_size_bytes for m in mappings)
 
 
-def spec_geometry(spec: LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and strides (in elements) of one block of a cache laid out as ``spec`` says.
-
-    These are the layouts :meth:`LayerSpec.from_tensor` recognises, without the
-    leading block dimension (whose stride may include padding).
-    """
-    bs, heads, hs = spec.block_size, spec.num_kv_heads, spec.head_size
-    if spec.attention == "mla":
-        return (bs, hs), (hs, 1)
-    if spec.packing == "packed":
-        if spec.order == "NHD":
-            return (heads, bs, 2 * hs), (2 * hs, heads * 2 * hs, 1)
-        return (heads, bs, 2 * hs), (bs * 2 * hs, 2 * hs, 1)
-    half = bs * heads * hs
-    if spec.order == "NHD":
-        return (2, bs, heads, hs), (half, heads * hs, hs, 1)
-    return (2, bs, heads, hs), (half, hs, bs * hs, 1)
-
-
-def _describe_tensor(kv: torch.Tensor) -> str:
-    return f"{kv.dtype} shape {tuple(kv.shape)} strides {tuple(kv.stride())}"
-
-
-def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
-    """What differs between ``kv`` and the layout ``spec`` describes, or None if nothing.
-
-    ``kv`` matches when :meth:`LayerSpec.from_tensor`, given the spec's
-    attention kind, block size, head count and head size, recognises exactly
-    ``spec`` in it (same dtype, packing and order). The stride of a dimension
-    of size 1 (one head per rank, say) addresses nothing, so it is not compared:
-    a contiguous 1-head cache is both NHD and HND.
-    """
-    shape, strides = spec_geometry(spec)
-    view = kv
-    if tuple(kv.shape[1:]) == shape and kv.dim() == len(shape) + 1:
-        # Put the expected stride on size-1 dims: the same elements, unambiguous strides.
-        normalized = [kv.stride(0)] + [
-            want if size == 1 else got for size, got, want in zip(shape, kv.stride()[1:], strides)
-        ]
-        view = kv.as_strided(kv.shape, normalized, kv.storage_offset())
-    try:
-        found = LayerSpec.from_tensor(
-            view,
-            attention=spec.attention,
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            per_token_head_scales=spec.per_token_head_scales,
-            tokens_per_state=spec.tokens_per_state,
-        )
-    except ValueError:  # a dtype no KV cache is stored in: reported below
-        found = None
-    if found == spec:
-        return None
-    problems = []
-    try:
-        dtype = dtype_name(kv.dtype)
-    except ValueError:
-        dtype = str(kv.dtype).removeprefix("torch.")
-    if dtype != spec.dtype:
-        problems.append(
-            f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
-            f"({kv.element_size()} bytes per element)"
-        )
-    layout = "MLA latent rows" if spec.attention == "mla" else f"{spec.packing} {spec.order}"
-    if tuple(kv.shape[1:]) != shape:
-        problems.append(f"shape (num_blocks, {', '.join(map(str, shape))}), got {tuple(kv.shape)}")
-    elif tuple(view.stride()[1:]) != strides:
-        seen = f", which is {found.packing} {found.order}" if found is not None else ""
-        problems.append(
-            f"strides (block, {', '.join(map(str, strides))}) in elements ({layout}), got "
-            f"{tuple(kv.stride())}{seen}"
-        )
-    if spec.attention == "mla" and (spec.packing, spec.order) != ("packed", "NHD"):
-        problems.append(
-            f"packing 'packed' and order 'NHD' for an MLA latent cache (one row per token, "
-            f"as LayerSpec.from_tensor reports it), got {spec.packing!r} and {spec.order!r}"
-        )
-    if not problems:
-        problems.append(f"{spec}, got a tensor that LayerSpec.from_tensor reads as {found}")
-    return "; ".join(problems)
-
-
 @dataclass
 class TransferJob:
     """One submitted store or load.
@@ -275,6 +191,12 @@ class TransferJob:
     error: BaseException | None = None
     _done_event: torch.cuda.Event | None = field(default=None, repr=False)
     _keep_alive: tuple = field(default=(), repr=False)
+    # CUDA: the job's own device-error record (pinned, written by its kernel), the host
+    # ids it was given (to name a refused pair) and the pooled staging buffer, all handed
+    # back to the worker's pools when the job's event has completed.
+    _error_record: torch.Tensor | None = field(default=None, repr=False)
+    _host_ids: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _staging: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -414,12 +336,17 @@ class OffloadWorker:
                     f"explicit area_offsets="
                 )
             area_offsets = default_area_offsets(self.mappings, pages_per_row)
+        # The plan records (and every call re-checks) each certified layer's tensor against
+        # its spec; opaque layers move whole blocks, whatever their layout.
         self.plan = make_plan(
             self.mappings,
             self.kv_caches,
             self.cpu_pages,
             pages_per_row=pages_per_row,
             area_offsets=area_offsets,
+            specs=[
+                None if layer in self.fallback_reasons else spec for layer, spec in enumerate(specs)
+            ],
         )
         self.area_offsets = [int(offset) for offset in area_offsets]
         self.device = self.kv_caches[0].device
@@ -462,7 +389,7 @@ class OffloadWorker:
                 if (kv.dtype, kv.shape, kv.stride()) != (dtype, shape, stride):
                     raise ValueError(
                         f"kv_caches[{layer}]: expected {dtype} shape {tuple(shape)} strides "
-                        f"{stride} (as at construction), got {_describe_tensor(kv)}; the "
+                        f"{stride} (as at construction), got {describe_tensor(kv)}; the "
                         f"tensor was changed in place since the plan was built"
                     )
 
@@ -523,16 +450,79 @@ class OffloadWorker:
             finally:
                 job.finished_at = time.perf_counter()
             return job
+        pools = self._cuda_pools()
+        reporting = (
+            torch.ops.canonical._canonical_store_reporting
+            if kind == "store"
+            else torch.ops.canonical._canonical_load_reporting
+        )
+        on_device = [isinstance(ids, torch.Tensor) and ids.is_cuda for ids in (block_ids, page_ids)]
+        staging = host_ids = None
+        if not any(on_device):
+            # Host ids: checked here (range, distinct destinations) as the op checks host
+            # ids, then one H2D copy from a pooled pinned buffer on the transfer stream.
+            host_ids = self._checked_host_ids(kind, block_ids, page_ids)
+            count = len(host_ids[0])
+            staging = pools.staging(2 * count)
+            staging[:count] = torch.from_numpy(host_ids[0])
+            staging[count : 2 * count] = torch.from_numpy(host_ids[1])
+        record = pools.errors.acquire()
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # KV written by queued compute is complete
         with torch.cuda.stream(self._stream):
-            blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
-            launch(block_ids=blocks, page_ids=pages)
-            job._done_event = torch.cuda.Event()
+            if staging is not None:
+                ids = staging[: 2 * count].to(self.device, non_blocking=True)
+                blocks, pages = ids[:count], ids[count:]
+            else:
+                # Device ids cannot be checked on the host without a sync: the kernel
+                # refuses out-of-range ones (the job's error); repeated destinations are
+                # the caller's responsibility (documented).
+                blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
+            try:
+                reporting(self.kv_caches, self.cpu_pages, self.plan, blocks, pages, record)
+            except BaseException:
+                # Refused before any launch: the record was never handed to a kernel. The
+                # staging buffer may feed a queued copy: left to torch's pinned allocator.
+                pools.errors.release(record)
+                raise
+            job._done_event = pools.event()
             job._done_event.record(self._stream)
+        job._error_record, job._host_ids, job._staging = record, host_ids, staging
         job._keep_alive = (blocks, pages)  # ids must outlive the kernel
         self._in_flight.append(job)
         return job
+
+    def _cuda_pools(self) -> CudaJobPools:
+        """The worker's reusable per-job CUDA resources (created on the first CUDA job)."""
+        pools = self.__dict__.get("_cuda_job_pools")
+        if pools is None:
+            pools = self.__dict__["_cuda_job_pools"] = CudaJobPools()
+        return pools
+
+    def _checked_host_ids(self, kind: str, block_ids, page_ids) -> tuple[np.ndarray, np.ndarray]:
+        """Host ids as int64 arrays, checked as the op checks host ids (IndexError for a
+        block or page that does not exist, ValueError for a repeated destination)."""
+        blocks, pages = (
+            np.ascontiguousarray(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids)
+            for ids in (block_ids, page_ids)
+        )
+        if len(blocks) != len(pages):
+            raise ValueError(
+                f"page_ids: expected as many ids as block_ids ({len(blocks)}), got {len(pages)}"
+            )
+        num_blocks = min(int(kv.size(0)) for kv in self.kv_caches)
+        num_pages = int(self.cpu_pages.size(0)) * self.pages_per_row
+        for name, ids, limit in (("block_ids", blocks, num_blocks), ("page_ids", pages, num_pages)):
+            bad = np.flatnonzero((ids < 0) | (ids >= limit))
+            if bad.size:
+                raise IndexError(
+                    f"{name}[{int(bad[0])}] = {int(ids[bad[0]])}: expected 0 <= id < {limit}"
+                )
+        if kind == "store":
+            check_unique_ids("page_ids", pages, "page ids in a store (destinations)")
+        else:
+            check_unique_ids("block_ids", blocks, "block ids in a load (destinations)")
+        return blocks, pages
 
     def store(self, *, block_ids, page_ids) -> TransferJob:
         """Store blocks into canonical pages (this rank's elected bytes only).
@@ -556,15 +546,23 @@ class OffloadWorker:
         return self._submit("load", block_ids, page_ids)
 
     def _finish(self, job: TransferJob) -> None:
+        """Book a completed job: read its own error record (a host read of pinned memory,
+        no CUDA call) and hand its pooled resources back."""
         job.finished_at = time.perf_counter()
         job._keep_alive = ()
-        try:
-            check_device_errors(self.plan)
-        except Exception as error:
-            job.error = error
+        if job._error_record is None:
+            return
+        pools = self._cuda_pools()
+        blocks, pages = job._host_ids if job._host_ids is not None else (None, None)
+        job.error = pools.errors.release(job._error_record, blocks, pages)
+        if job._staging is not None:
+            pools.release_staging(job._staging)
+        pools.release_event(job._done_event)
+        job._error_record = job._staging = job._host_ids = job._done_event = None
 
     def poll(self) -> list[TransferJob]:
-        """Jobs finished since the last poll/wait (without blocking)."""
+        """Jobs finished since the last poll/wait, without blocking: one event query per
+        job in flight, nothing queued on (or waiting for) the compute stream."""
         finished = [j for j in self._in_flight if j._done_event is None or j._done_event.query()]
         for job in finished:
             self._in_flight.remove(job)
@@ -572,7 +570,7 @@ class OffloadWorker:
         return finished
 
     def wait(self, job: TransferJob) -> TransferJob:
-        """Block until ``job`` is done; raises its device-side error, if any."""
+        """Block until ``job`` is done (its own event only); raises its device-side error."""
         if job in self._in_flight:
             job._done_event.synchronize()
             self._in_flight.remove(job)

@@ -30,6 +30,7 @@ tensors in host memory: tests, CPU-only runs) a job runs synchronously inside
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -50,15 +51,26 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 import layouts
 from canonical_ops._extension import BUILT_WITH_CUDA
-from canonical_ops.ops import check_device_errors
+from canonical_ops.ops import CudaJobPools
 from canonical_ops.plan import make_plan
 
-__all__ = ["CanonicalOffloadingWorker", "canonical_cell_sizes", "uncertified_refs"]
+__all__ = [
+    "CanonicalOffloadingWorker",
+    "canonical_cell_sizes",
+    "register_host_memory",
+    "uncertified_refs",
+]
 
 logger = logging.getLogger(__name__)
 
 # CUDA launches take at most this many layers (kernels/include/canonical/launch.h).
 MAX_LAYERS_PER_PLAN = 496
+
+# cudaHostRegister flags: portable (every context) | mapped (a device address for it).
+HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
+# vLLM registers its region in chunks of VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB (default 64 GiB):
+# the driver's bookkeeping table per call caps one registration (NVRM page-table limit).
+DEFAULT_REGISTER_CHUNK_GB = 64
 
 UNCERTIFIED_REASON = (
     "canonical_layout was requested but the KV cache layout could not be certified for "
@@ -152,6 +164,41 @@ class _GroupPlan:
         return total
 
 
+def register_host_memory(
+    cudart, base: int, size: int, *, chunk_bytes: int, flags: int = HOST_REGISTER_PORTABLE_MAPPED
+) -> list[int] | None:
+    """Register ``[base, base + size)`` with CUDA in chunks of at most ``chunk_bytes``.
+
+    Returns the registered chunk addresses (to unregister later), or None after rolling
+    back, when a call fails. ``cudart`` is ``torch.cuda.cudart()`` (or a stand-in).
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+    registered: list[int] = []
+    for offset in range(0, size, chunk_bytes):
+        address = base + offset
+        status = cudart.cudaHostRegister(address, min(chunk_bytes, size - offset), flags)
+        if int(getattr(status, "value", status)) != 0:
+            for done in reversed(registered):
+                cudart.cudaHostUnregister(done)
+            return None
+        registered.append(address)
+    return registered
+
+
+def _register_chunk_bytes() -> int:
+    """vLLM's registration chunk (VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB, default 64 GiB), in
+    bytes, clamped to [64 MiB, 512 GiB] and 2 MiB-aligned as vLLM does."""
+    raw = os.environ.get("VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB", str(DEFAULT_REGISTER_CHUNK_GB))
+    try:
+        gib = int(raw)
+    except ValueError:
+        logger.warning("VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB=%r is not an int; using 64", raw)
+        gib = DEFAULT_REGISTER_CHUNK_GB
+    chunk = max(64 << 20, min(gib << 30, 512 << 30))
+    return chunk - chunk % (2 << 20)
+
+
 @dataclass
 class _Job:
     job_id: int
@@ -160,7 +207,10 @@ class _Job:
     finished: float | None = None
     start_event: torch.cuda.Event | None = None
     end_event: torch.cuda.Event | None = None
-    plans: tuple[torch.Tensor, ...] = ()
+    # CUDA: one device-error record per op call (pinned, written by that kernel), with the
+    # call's host ids (to name a refused pair); pooled staging buffers of the ids.
+    records: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = field(default_factory=list)
+    staging: list[torch.Tensor] = field(default_factory=list)
     keep_alive: tuple = field(default=(), repr=False)
 
     def done(self) -> bool:
@@ -173,10 +223,12 @@ class _Direction:
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pools = CudaJobPools(timing=True) if device.type == "cuda" else None
         self.jobs: deque[_Job] = deque()
         self.by_id: dict[int, _Job] = {}
 
     def finished(self) -> list[TransferResult]:
+        """Jobs done, in order: one event query each, no CUDA call on the compute stream."""
         results = []
         while self.jobs and self.jobs[0].done():
             job = self.jobs.popleft()
@@ -188,18 +240,30 @@ class _Direction:
         success = True
         if job.end_event is not None:
             seconds = job.start_event.elapsed_time(job.end_event) * 1e-3
-            for plan in job.plans:
-                try:
-                    check_device_errors(plan)
-                except Exception:
-                    logger.exception("canonical %s job %d failed", self.name, job.job_id)
-                    success = False
+            success = self._release(job)
         else:
             seconds = job.finished - job.started
         job.keep_alive = ()
         return TransferResult(
             job_id=job.job_id, success=success, transfer_size=job.num_bytes, transfer_time=seconds
         )
+
+    def _release(self, job: _Job) -> bool:
+        """Read the job's own error records (host reads of pinned memory) and hand its
+        pooled resources back; False if a kernel refused a pair."""
+        success = True
+        for record, blocks, pages in job.records:
+            error = self.pools.errors.release(record, blocks, pages)
+            if error is not None:
+                logger.error("canonical %s job %d failed: %s", self.name, job.job_id, error)
+                success = False
+        for buffer in job.staging:
+            self.pools.release_staging(buffer)
+        self.pools.release_event(job.start_event)
+        self.pools.release_event(job.end_event)
+        job.records, job.staging = [], []
+        job.start_event = job.end_event = None
+        return success
 
     def wait(self, job_ids) -> None:
         for job_id in job_ids:
@@ -323,29 +387,37 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 "built without its CUDA kernels (CANONICAL_KV_BUILD_CUDA=0 or no nvcc at "
                 "install time); reinstall canonical-kv with nvcc available"
             )
+        # A GPU the build has no kernel image for (e.g. built for sm_90 only, running on an
+        # A100): refuse now, with the reason, rather than at the first transfer.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            torch.ops.canonical._check_cuda_kernels(index)
+        except RuntimeError as error:
+            raise RuntimeError(f"CanonicalOffloadingWorker: {error}") from error
 
     def _pin(self, region: SharedOffloadRegion) -> None:
         """Register the whole region with CUDA: the kernel reads and writes it directly.
 
-        One mapped registration (portable | mapped: the device address is valid on
-        every system, and contiguous as the kernel requires), recorded on the region
-        so that vLLM's ``cleanup`` unregisters it; vLLM's own chunked registration if
-        that fails.
+        Mapped registrations (portable | mapped: a device address valid on every system)
+        in vLLM's chunk size (VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB, default 64 GiB: vLLM caps
+        each call), with torch's own CUDA runtime on the worker's device; each chunk is
+        recorded on the region so that vLLM's ``cleanup`` unregisters it. vLLM's own
+        registration if that fails. The kernel needs the chunks contiguous in the device's
+        address space (true where UVA maps host pointers 1:1); every call checks it.
         """
         if not region.is_pinned:
-            from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
-
             base, size = region.base_tensor.data_ptr(), region.total_size_bytes
             try:
-                cudart = CudaRTLibrary()
-                registered = cudart.cudaHostRegister(base, size, 0x1 | 0x2) == 0
-                if not registered:
-                    cudart.cudaGetLastError()
+                with torch.cuda.device(self.device):
+                    cudart = torch.cuda.cudart()
+                    chunks = register_host_memory(
+                        cudart, base, size, chunk_bytes=_register_chunk_bytes()
+                    )
             except Exception:
                 logger.warning("canonical-kv: mapped registration unavailable", exc_info=True)
-                registered = False
-            if registered:
-                region.pinned_addresses.append(base)
+                chunks = None
+            if chunks is not None:
+                region.pinned_addresses.extend(chunks)
                 region.is_pinned = True
             else:
                 from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
@@ -477,10 +549,7 @@ class CanonicalOffloadingWorker(OffloadingWorker):
         else:
             num_bytes = sum(self.groups[g].local_bytes * len(pages) for g, _, pages in pairs)
         op = torch.ops.canonical.canonical_store if store else torch.ops.canonical.canonical_load
-        used_plans = tuple(plan for g, _, _ in pairs for plan in self.groups[g].plans)
-        job = _Job(
-            job_id=job_id, num_bytes=num_bytes, started=time.perf_counter(), plans=used_plans
-        )
+        job = _Job(job_id=job_id, num_bytes=num_bytes, started=time.perf_counter())
 
         if direction.stream is None:  # CPU KV caches: synchronous
             for g, blocks, pages in pairs:
@@ -490,13 +559,22 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                     op(kvs, self.cpu_pages, plan, block_ids, page_ids)
             job.finished = time.perf_counter()
         else:
-            job.start_event = torch.cuda.Event(enable_timing=True)
-            job.end_event = torch.cuda.Event(enable_timing=True)
-            # Pinned host ids, one H2D copy per group on the transfer stream.
+            pools = direction.pools
+            reporting = (
+                torch.ops.canonical._canonical_store_reporting
+                if store
+                else torch.ops.canonical._canonical_load_reporting
+            )
+            job.start_event, job.end_event = pools.event(), pools.event()
+            # Pinned host ids from the pool, one H2D copy per group on the transfer stream.
             staged = []
             for g, blocks, pages in pairs:
-                host = torch.from_numpy(np.stack([blocks, pages])).pin_memory()
-                staged.append((g, host))
+                count = len(blocks)
+                host = pools.staging(2 * count)
+                host[:count] = torch.from_numpy(blocks)
+                host[count : 2 * count] = torch.from_numpy(pages)
+                job.staging.append(host)
+                staged.append((g, host, blocks, pages))
             stream = direction.stream
             # Stores read KV the model is still writing; loads must follow pending writes
             # (e.g. zeroing) of their destination blocks: order after the caller's stream.
@@ -504,12 +582,19 @@ class CanonicalOffloadingWorker(OffloadingWorker):
             keep = []
             with torch.cuda.stream(stream):
                 job.start_event.record(stream)
-                for g, host in staged:
-                    ids = host.to(self.device, non_blocking=True)
+                for g, host, blocks, pages in staged:
+                    count = len(blocks)
+                    ids = host[: 2 * count].to(self.device, non_blocking=True)
                     group = self.groups[g]
                     for kvs, plan in zip(group.kv_caches, group.plans):
-                        op(kvs, self.cpu_pages, plan, ids[0], ids[1])
-                    keep += [host, ids]
+                        record = pools.errors.acquire()
+                        try:
+                            reporting(kvs, self.cpu_pages, plan, ids[:count], ids[count:], record)
+                        except BaseException:
+                            pools.errors.release(record)  # never handed to a kernel
+                            raise
+                        job.records.append((record, blocks, pages))
+                    keep.append(ids)
                 job.end_event.record(stream)
             job.keep_alive = tuple(keep)
         direction.jobs.append(job)

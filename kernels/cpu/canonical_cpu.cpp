@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "canonical/checked.h"
 #include "canonical/cpu_copy.h"
 #include "canonical/plan.h"
 #include "canonical/validation.h"
@@ -103,7 +104,8 @@ class Cursor {
   }
 
   // Reads the current item's fragment record and, on a new pair or layer,
-  // its bases. Only called for items inside the call, so ids stay in range.
+  // its bases. Only called for items inside the call; the ids and plan words are
+  // private copies checked by validate_call, so they stay in range.
   void seek() {
     record_ = view_.fragment(fragment_);
     if (record_[kFragmentLayer] != layer_) {
@@ -132,12 +134,19 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
                     "plan: expected a contiguous 1-D tensor from canonical_ops.make_plan");
   TORCH_CHECK_VALUE(plan.device().is_cpu(), "plan: expected a CPU tensor like kv_caches, got ",
                     plan.device().str());
-  // A CPU plan is host memory: verify it each call (cheap next to the copy).
-  verify_plan_words(plan.data_ptr<int64_t>(), plan.numel());
-  const PlanView view{plan.data_ptr<int64_t>()};
-  const CallInfo info = validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view);
+  // A CPU plan is host memory the caller can change at any time: copy it once,
+  // verify the copy, and follow only the copy (cheap next to the copy itself).
+  const int64_t* user_words = plan.data_ptr<int64_t>();
+  const std::vector<int64_t> words(user_words, user_words + plan.numel());
+  verify_plan_words(words.data(), static_cast<int64_t>(words.size()));
+  const PlanView view{words.data()};
+  // The ids the kernel follows are validate_call's private, checked copies.
+  const CallInfo info =
+      validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view, store);
   const int64_t num_fragments = view.num_fragments();
-  const int64_t total = info.num_pairs * num_fragments;
+  int64_t total = 0;
+  TORCH_CHECK_VALUE(checked_mul(info.num_pairs, num_fragments, &total),
+                    "block_ids: too many pairs for this plan (pairs x fragments overflows int64)");
   if (total == 0) return;
 
   std::vector<uint8_t*> layer_base(kv_caches.size());
@@ -145,12 +154,14 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
     layer_base[l] = static_cast<uint8_t*>(kv_caches[l].data_ptr());
   }
   uint8_t* pages = cpu_pages.data_ptr<uint8_t>();
-  const int64_t* blocks = block_ids.data_ptr<int64_t>();
-  const int64_t* page_list = page_ids.data_ptr<int64_t>();
+  const int64_t* blocks = info.block_ids.data();
+  const int64_t* page_list = info.page_ids.data();
   const int64_t bytes_per_pair = std::max<int64_t>(1, view.header(kBytesPerPair));
   const int64_t grain = std::max<int64_t>(1, kBytesPerChunk * num_fragments / bytes_per_pair);
 
-  const bool streaming = info.num_pairs * bytes_per_pair >= kStreamingCallBytes;
+  int64_t call_bytes = 0;
+  const bool streaming = !checked_mul(info.num_pairs, bytes_per_pair, &call_bytes) ||
+                         call_bytes >= kStreamingCallBytes;
   const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
@@ -215,6 +226,38 @@ void canonical_load_cpu(at::TensorList kv_caches, const at::Tensor& cpu_pages,
   copy_cpu("canonical_load", kv_caches, cpu_pages, plan, block_ids, page_ids, /*store=*/false);
 }
 
+void check_error_record(const at::Tensor& record) {
+  TORCH_CHECK_TYPE(record.scalar_type() == at::kLong, "error_record: expected dtype int64, got ",
+                   record.scalar_type());
+  TORCH_CHECK_VALUE(record.device().is_cpu() && record.numel() == kErrorRecordWords,
+                    "error_record: expected a CPU tensor of ", kErrorRecordWords, " int64 words");
+}
+
+// On CPU every id is checked before the copy, so the record is never written.
+void canonical_store_reporting_cpu(at::TensorList kv_caches, const at::Tensor& cpu_pages,
+                                   const at::Tensor& plan, const at::Tensor& block_ids,
+                                   const at::Tensor& page_ids, const at::Tensor& error_record) {
+  check_error_record(error_record);
+  copy_cpu("canonical_store", kv_caches, cpu_pages, plan, block_ids, page_ids, /*store=*/true);
+}
+
+void canonical_load_reporting_cpu(at::TensorList kv_caches, const at::Tensor& cpu_pages,
+                                  const at::Tensor& plan, const at::Tensor& block_ids,
+                                  const at::Tensor& page_ids, const at::Tensor& error_record) {
+  check_error_record(error_record);
+  copy_cpu("canonical_load", kv_caches, cpu_pages, plan, block_ids, page_ids, /*store=*/false);
+}
+
+void register_plan_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK_VALUE(false,
+                    "plan: only CUDA plans are registered (a CPU plan is verified at each call)");
+}
+
+// CPU plans have no device-side errors: their ids are checked before the copy.
+std::vector<int64_t> plan_error_cpu(const at::Tensor&) {
+  return std::vector<int64_t>(kErrorRecordWords, 0);
+}
+
 }  // namespace
 
 int64_t cpu_threads_used(int64_t work_items) {
@@ -233,4 +276,8 @@ int64_t cpu_threads_used(int64_t work_items) {
 TORCH_LIBRARY_IMPL(canonical, CPU, m) {
   m.impl("canonical_store", &canonical::canonical_store_cpu);
   m.impl("canonical_load", &canonical::canonical_load_cpu);
+  m.impl("_canonical_store_reporting", &canonical::canonical_store_reporting_cpu);
+  m.impl("_canonical_load_reporting", &canonical::canonical_load_reporting_cpu);
+  m.impl("_register_plan", &canonical::register_plan_cpu);
+  m.impl("_plan_error", &canonical::plan_error_cpu);
 }

@@ -355,3 +355,37 @@ def test_cuda_worker_matches_the_cpu_worker(vllm_configs):
     finally:
         for worker in workers:
             worker.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_get_finished_does_not_wait_for_the_compute_stream(vllm_configs):
+    """get_finished() reports a finished job while a long kernel runs on the compute stream
+    (each job's own error record is read on the host: no copy queued behind model work)."""
+    import time
+
+    model = Model([Layer("model.layers.0.self_attn.attn", FULL_LAYOUTS[0])], total_heads=8,
+                  num_blocks=NUM_BLOCKS, seed=41)  # fmt: skip
+    tp, bpc = 1, 2
+    ((_, ckv),) = vllm_ranks(vllm_configs("llama8", tp), model, tp)
+    on_gpu = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t.tensor.cuda(), t.page_size_bytes) for t in ckv.tensors],
+        ckv.group_data_refs,
+    )
+    region_id = f"ckv-busy-{uuid.uuid4().hex[:8]}"
+    worker = CanonicalOffloadingWorker(
+        on_gpu, bpc, NUM_CHUNKS, open_region(region_id, NUM_CHUNKS, row_bytes_for(ckv, bpc))
+    )
+    try:
+        job = make_jobs(1, bpc, NUM_BLOCKS, NUM_CHUNKS, single_group_plans(bpc), seed=2)[0]
+        worker.submit_store(1, job.gpu_spec(), job.cpu_spec())
+        worker.wait({1})
+        rate = torch.cuda.get_device_properties(torch.cuda.current_device()).clock_rate
+        torch.cuda._sleep(int(1.0 * rate * 1000))  # ~1 s on the compute stream
+        start = time.perf_counter()
+        results = worker.get_finished()
+        assert time.perf_counter() - start < 0.2, "get_finished() waited for the compute stream"
+        assert [r.job_id for r in results] == [1] and results[0].success
+    finally:
+        torch.cuda.synchronize()
+        worker.shutdown()

@@ -19,7 +19,9 @@
 //     [7]  max_fragment_bytes         largest fragment after chunking
 //     [8]  common_alignment           largest power of two (<= 16) dividing every offset and size
 //     [9]  bytes_per_pair             local bytes of one block over all layers (sum of page sizes)
-//     [10..15] reserved (0)
+//     [10] min_num_blocks             smallest kv_caches[l].size(0): a block id must be below it
+//                                     (the device-side check skips a bad pair in every layer)
+//     [11..15] reserved (0)
 //   layers   [num_layers][kLayerWords], starting at word kHeaderWords
 //     [0]  block_stride_bytes         kv_caches[l].stride(0) * element_size()
 //     [1]  num_blocks                 kv_caches[l].size(0)
@@ -34,8 +36,14 @@
 //     [1]  canonical_offset           in the layer's canonical page
 //     [2]  size
 //     [3]  layer
+//   tensors  [num_layers][kTensorWords], after the fragment table: what each kv_caches[l]
+//            was when the plan was built (the calls refuse a tensor that differs)
+//     [0]  scalar type                c10::ScalarType of the tensor
+//     [1]  ndim                       1 .. kMaxTensorDims
+//     [2 .. 2 + kMaxTensorDims)       sizes (unused dims 0)
+//     [2 + kMaxTensorDims .. )        strides in elements (unused dims 0)
 //
-// Fragments are ordered by layer, then by local offset. Layer l's canonical
+// Fragments are ordered by layer, then by local offset, and have a size > 0. Layer l's canonical
 // page p lives at
 //     row(p // pages_per_row) + area_offset[l] + (p % pages_per_row) * canonical_page_size[l].
 // A transfer of n (block_id, page_id) pairs has n * num_fragments work items;
@@ -50,10 +58,12 @@
 namespace canonical {
 
 constexpr int64_t kPlanMagic = 0x31564b4e4f4e4143LL;  // "CANONKV1" little-endian
-constexpr int64_t kPlanVersion = 1;
+constexpr int64_t kPlanVersion = 2;
 constexpr int64_t kHeaderWords = 16;
 constexpr int64_t kLayerWords = 8;
 constexpr int64_t kFragmentWords = 4;
+constexpr int64_t kMaxTensorDims = 8;
+constexpr int64_t kTensorWords = 2 + 2 * kMaxTensorDims;
 
 enum HeaderField : int64_t {
   kMagic = 0,
@@ -66,7 +76,9 @@ enum HeaderField : int64_t {
   kMaxFragmentBytes = 7,
   kCommonAlignment = 8,
   kBytesPerPair = 9,
+  kMinNumBlocks = 10,
 };
+constexpr int64_t kFirstReservedHeaderWord = 11;
 
 enum LayerField : int64_t {
   kBlockStrideBytes = 0,
@@ -86,16 +98,30 @@ enum FragmentField : int64_t {
   kFragmentLayer = 3,    // the layer it belongs to
 };
 
-// Device-side error codes, OR-ed into the error word when a kernel refuses a
-// work item (the item is skipped: no byte is read or written for it).
-enum ErrorCode : int64_t {
-  kErrorBlockId = 1,
-  kErrorPageId = 2,
+enum TensorField : int64_t {
+  kTensorScalarType = 0,
+  kTensorDims = 1,
+  kTensorSizes = 2,
+  kTensorStrides = 2 + kMaxTensorDims,
 };
 
-// Total words of a plan with the given table sizes.
+// A CUDA kernel that refuses a pair (a device-resident id out of range) skips it in
+// every layer (no byte is read or written for it) and records it in an error record
+// of kErrorRecordWords int64 words, with plain stores only (no atomics: the record
+// may live in mapped pinned host memory): the flag words are set to 1, the pair word
+// to (index of a refused pair) + 1. Concurrent reporters store the same flag values;
+// the pair word keeps one of the refused pairs (one aligned 8-byte store each).
+enum ErrorRecordField : int64_t {
+  kErrorBlockFlag = 0,  // 1: some block id was outside [0, min_num_blocks)
+  kErrorPageFlag = 1,   // 1: some page id was outside [0, num_rows * pages_per_row)
+  kErrorPair = 2,       // index + 1 of one refused pair (0: none)
+};
+constexpr int64_t kErrorRecordWords = 4;
+
+// Total words of a plan with the given table sizes (callers bound the sizes first:
+// see verify_plan_words, which checks this product without overflow).
 CANONICAL_HOST_DEVICE inline int64_t plan_words(int64_t num_layers, int64_t num_fragments) {
-  return kHeaderWords + num_layers * kLayerWords + num_fragments * kFragmentWords;
+  return kHeaderWords + num_layers * (kLayerWords + kTensorWords) + num_fragments * kFragmentWords;
 }
 
 // Read-only view over a plan's words (host or device memory).
@@ -110,6 +136,10 @@ struct PlanView {
   }
   CANONICAL_HOST_DEVICE const int64_t* fragment(int64_t f) const {
     return words + kHeaderWords + num_layers() * kLayerWords + f * kFragmentWords;
+  }
+  CANONICAL_HOST_DEVICE const int64_t* tensor(int64_t l) const {
+    return words + kHeaderWords + num_layers() * kLayerWords + num_fragments() * kFragmentWords +
+           l * kTensorWords;
   }
 };
 
@@ -148,7 +178,9 @@ CANONICAL_HOST_DEVICE inline LayerBases layer_bases(const PlanView& plan, int64_
 }
 
 // Expands fragment `fragment` of the pair (block_id, page_id). Ids must already
-// be in range (see ids_in_range); the result then lies inside both tensors.
+// be in range (see ids_in_range) and the plan verified against the tensors
+// (verify_plan_words, validate_call): every sum below is then bounded by a
+// tensor's byte extent, so none overflows, and the result lies inside both tensors.
 CANONICAL_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragment,
                                              int64_t block_id, int64_t page_id) {
   const int64_t* frag = plan.fragment(fragment);
@@ -163,14 +195,14 @@ CANONICAL_HOST_DEVICE inline Expanded expand(const PlanView& plan, int64_t fragm
   return out;
 }
 
-// Whether a pair may be expanded for `layer`: the block exists in that layer's
-// kv tensor and the page's row exists in cpu_pages.
-CANONICAL_HOST_DEVICE inline bool ids_in_range(const PlanView& plan, int64_t layer,
-                                               int64_t block_id, int64_t page_id,
-                                               int64_t num_rows) {
-  const int64_t num_blocks = plan.layer(layer)[kNumBlocks];
-  return block_id >= 0 && block_id < num_blocks && page_id >= 0 &&
-         page_id < num_rows * plan.header(kPagesPerRow);
+// Whether a pair may be expanded: the block exists in EVERY layer's kv tensor
+// (min_num_blocks, so a bad pair is skipped whole) and the page in cpu_pages.
+// `num_pages` is num_rows * pages_per_row, computed by the host without overflow
+// (saturated at INT64_MAX; see pages_in_rows).
+CANONICAL_HOST_DEVICE inline bool ids_in_range(const PlanView& plan, int64_t block_id,
+                                               int64_t page_id, int64_t num_pages) {
+  return block_id >= 0 && block_id < plan.header(kMinNumBlocks) && page_id >= 0 &&
+         page_id < num_pages;
 }
 
 }  // namespace canonical
