@@ -51,6 +51,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 import layouts
 from canonical_ops._extension import BUILT_WITH_CUDA
+from canonical_ops.checks import check_ids, check_int
 from canonical_ops.ops import CudaJobPools
 from canonical_ops.plan import make_plan
 
@@ -78,6 +79,15 @@ UNCERTIFIED_REASON = (
     "exactly the TP group, and packed / cross-layer KV layouts are not supported). Remove "
     "canonical_layout from kv_connector_extra_config, or use a spec without it."
 )
+
+
+def _spec_ids(name: str, ids) -> np.ndarray:
+    """A job spec's ids as int64, refusing non-integers (never rounded) and accepting
+    vLLM's integer arrays of any width and shape."""
+    array = np.asarray(ids)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return check_ids(name, array.ravel())
 
 
 def uncertified_refs(kv_caches: CanonicalKVCaches) -> list[tuple[int, int]]:
@@ -309,8 +319,8 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 "mmap_region: the canonical layout needs vLLM's SharedOffloadRegion "
                 "(shared by every rank of the engine), got None"
             )
-        if isinstance(blocks_per_chunk, bool) or int(blocks_per_chunk) < 1:
-            raise ValueError(f"blocks_per_chunk: expected a positive int, got {blocks_per_chunk!r}")
+        blocks_per_chunk = check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
+        num_cpu_chunks = check_int("num_cpu_chunks", num_cpu_chunks, minimum=0)
         if not kv_caches.tensors:
             raise ValueError("kv_caches: expected at least one KV tensor, got none")
         missing = uncertified_refs(kv_caches)
@@ -318,14 +328,14 @@ class CanonicalOffloadingWorker(OffloadingWorker):
             where = ", ".join(f"group {g} ref {i}" for g, i in missing[:4])
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
             raise RuntimeError(UNCERTIFIED_REASON.format(what=f"{where}{more}"))
-        if int(num_cpu_chunks) != mmap_region.num_chunks:
+        if num_cpu_chunks != mmap_region.num_chunks:
             raise ValueError(
                 f"num_cpu_chunks: the region has {mmap_region.num_chunks} chunks, "
                 f"got {num_cpu_chunks}"
             )
 
-        self.blocks_per_chunk = int(blocks_per_chunk)
-        self.num_cpu_chunks = int(num_cpu_chunks)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_cpu_chunks = num_cpu_chunks
         self.group_refs: list[list[CanonicalKVCacheRef]] = [
             list(refs) for refs in kv_caches.group_data_refs
         ]
@@ -489,8 +499,8 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 f"expected a CPU spec with chunk ids (CPULoadStoreSpec), got "
                 f"{type(cpu_spec).__name__}"
             )
-        gpu_blocks = np.asarray(gpu_spec.block_ids, dtype=np.int64).ravel()
-        chunks = np.asarray(cpu_spec.block_ids, dtype=np.int64).ravel()
+        gpu_blocks = _spec_ids("GPU spec block_ids", gpu_spec.block_ids)
+        chunks = _spec_ids("CPU spec block_ids", cpu_spec.block_ids)
         sizes, indices = list(gpu_spec.group_sizes), list(gpu_spec.block_indices)
         if len(sizes) != len(self.groups) or len(indices) != len(self.groups):
             raise ValueError(
