@@ -15,6 +15,8 @@
 #include "canonical/checked.h"
 
 namespace canonical {
+
+constexpr int64_t kMaxWriters = int64_t{1} << 20;
 namespace {
 
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
@@ -313,7 +315,10 @@ void verify_plan_words(const int64_t* w, int64_t num_words) {
                     "leaves required_row_bytes");
     }
     if (area_end > rec[kAreaOffsetBytes]) areas.emplace_back(rec[kAreaOffsetBytes], area_end);
-    if (rec[kNumWriters] < 1) corrupt_layer(l, kNumWriters, "< 1");
+    // Ranks holding the same bytes: at most a whole group (no engine has 2**20 ranks).
+    if (rec[kNumWriters] < 1 || rec[kNumWriters] > kMaxWriters) {
+      corrupt_layer(l, kNumWriters, "outside [1, 2**20]");
+    }
     if (rec[kWriterIndex] < 0 || rec[kWriterIndex] >= rec[kNumWriters]) {
       corrupt_layer(l, kWriterIndex, "outside [0, num_writers)");
     }

@@ -62,6 +62,7 @@ def _word(plan: torch.Tensor, layer: int | None = None, fragment: int | None = N
         ("fragment_offset", "canonical_offset"),
         ("fragment_size", "size"),
         ("min_blocks", "min_num_blocks"),
+        ("num_writers", "num_writers"),  # memory-safe, but not a plan make_plan builds
         ("reserved", "reserved"),
     ],
 )
@@ -83,6 +84,8 @@ def test_edited_plan_is_refused_and_writes_nothing(op, edit, names):
         bad[frag0 + 2] = 2**63 - 1
     elif edit == "min_blocks":
         bad[10] = 2**40
+    elif edit == "num_writers":
+        bad[layer0 + 5] = 2**63 - 1
     else:
         bad[12] = 7
     before_kv, before_storage = kv.clone(), storage.clone()
@@ -148,6 +151,55 @@ def test_overflowing_plan_words_never_crash(forkserver):
     lines = _run_child(forkserver, _overflowing_plans_child)
     assert len(lines) == 10, lines
     assert all("refused: plan: corrupt" in line for line in lines), lines
+
+
+EXTREME_WORDS = (-(2**63), -(2**62), -1, 0, 1, 2**31, 2**48, 2**62, 2**63 - 1)
+
+
+def _every_word_child(queue) -> None:
+    """In a child process: every word of a two-layer plan set, in turn, to extreme values;
+    each call must be refused or stay inside the tensors (guards after both untouched)."""
+    spec = LayerSpec("full", 16, 2, 64, "float16", "split", "HND")
+    mappings = derive_group_mappings(spec, 4, 8)
+    mapping = mappings[1]
+    num_blocks, num_rows, guard = 4, 4, 4096
+    kv_storage = [
+        torch.zeros(num_blocks * mapping.local_page_size_bytes + guard, dtype=torch.uint8)
+    ]
+    kv_storage.append(kv_storage[0].clone())
+    kv = [
+        t[: num_blocks * mapping.local_page_size_bytes]
+        .view(torch.float16)
+        .view(num_blocks, 2, 2, 16, 64)
+        .permute(0, 1, 3, 2, 4)
+        for t in kv_storage
+    ]
+    row = 2 * mapping.canonical_page_size_bytes
+    storage = torch.zeros(num_rows * row + guard, dtype=torch.uint8)
+    pages = storage[: num_rows * row].view(num_rows, row)
+    plan = canonical_ops.make_plan([mapping] * 2, kv, pages, specs=[spec] * 2)
+    accepted = 0
+    for index in range(len(plan)):
+        for value in EXTREME_WORDS:
+            bad = plan.clone()
+            bad[index] = value
+            for op in (canonical_ops.store, canonical_ops.load):
+                try:
+                    op(kv, pages, bad, [1, 3], [0, 3])
+                    accepted += 1
+                except (ValueError, IndexError):
+                    pass
+    clean = not storage[pages.numel() :].any() and not any(t[-guard:].any() for t in kv_storage)
+    queue.put(f"{len(plan)} words x {len(EXTREME_WORDS)} values: {accepted} calls accepted")
+    queue.put("guards: " + ("clean" if clean else "WRITTEN"))
+    queue.put(None)
+
+
+def test_every_plan_word_at_every_extreme_is_refused_or_harmless(forkserver):
+    """A sweep, not a list of known cases: no plan word, whatever its value, makes a call
+    crash or write past its tensors."""
+    lines = _run_child(forkserver, _every_word_child, timeout=300)
+    assert lines[-1] == "guards: clean", lines
 
 
 # --------------------------------------------------------------------------- racing threads
