@@ -825,9 +825,7 @@ class PageManager:
             if generations is not None:
                 pages = [p for p, g in zip(pages, gens) if self._generation[p] == g]
             fills = self._pending
-            return self._fail_locked(
-                p for p in pages if p not in fills or fills[p].filler is None
-            )
+            return self._fail_locked(p for p in pages if p not in fills or fills[p].filler is None)
 
     def _fail_locked(self, pages: Iterable[int]) -> list[int]:
         failed = []
