@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.store import row, small_namespace, unit_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers.store import row, small_namespace, unit_files
 
 from canonical_ops.frontend.store import (
     FileStore,

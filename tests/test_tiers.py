@@ -8,6 +8,7 @@ quarantine, eviction order, races) are the store's own tests (test_store_*.py).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -67,7 +68,7 @@ def test_pp_layer_range_is_vllms_split():
         for pp in range(1, layers + 1):
             ranges = pp_layer_ranges(layers, pp)
             assert ranges[0][0] == 0 and ranges[-1][1] == layers
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
             sizes = [end - first for first, end in ranges]
             assert max(sizes) - min(sizes) <= 1 and sizes[-1] == min(sizes)
     with pytest.raises(ValueError, match="pp_size"):
