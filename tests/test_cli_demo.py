@@ -71,6 +71,18 @@ BAD_INPUTS = [
     (["--packing", "interleaved"], ["--packing"]),
     (["--device", "tpu"], ["--device"]),
     (["--no-such-flag"], ["--no-such-flag"]),
+    (["--writer-pp", "0"], ["--writer-pp"]),
+    (["--reader-pp", "1.5"], ["--reader-pp"]),
+    (["--writer-pp", "5"], ["--writer-pp 5", "4 layers"]),  # tiny has 4 layers
+    (["--kv-heads", "0"], ["--kv-heads"]),
+    (["--dtype", "int8"], ["--dtype"]),
+    (["--phase", "read"], ["--phase read", "--store"]),
+    (["--phase", "sideways", "--store", "/tmp"], ["--phase"]),
+    (["--store-capacity", "1G"], ["--store-capacity", "--store"]),
+    (["--store", "/tmp", "--store-capacity", "lots"], ["--store-capacity", "'lots'"]),
+    (["--store", "/tmp", "--store", "/var/tmp"], ["--store", "at most one directory"]),
+    (["--store", "s3://bucket"], ["--store s3://bucket", "directory or a redis:// URL"]),
+    (["--model-name", " "], ["--model-name"]),
 ]
 
 
@@ -310,10 +322,15 @@ def test_cross_topology_json_run_passes():
     assert summary["topology"] == dict(
         writer_tp=16,
         reader_tp=2,
+        writer_pp=1,
+        reader_pp=1,
+        writer_stages=[[0, 4]],
+        reader_stages=[[0, 4]],
         device="cpu",
         format_id="v1-hnd",
         parallelism_agnostic=True,
     )
+    assert summary["phase"] == "shared-memory" and "tiers" not in summary
     assert summary["model"]["packing"] == "split" and summary["model"]["layers"] == 4
     for kind in ("store", "load"):
         assert summary[kind]["bytes"] > 0 and summary[kind]["gbps"] > 0
