@@ -16,39 +16,13 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.demo_cli import ROOT, TINY, assert_usage_error, run_demo
 
 from canonical_ops.frontend import demo
 from layouts import LayerSpec, RankContext, certification_failure
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--preset", "tiny", "--prompt-tokens", "32"]
-
-
-def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "canonical_ops", "demo", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def assert_usage_error(result: subprocess.CompletedProcess, *words: str) -> str:
-    """Exit 2, nothing on stdout, one line on stderr naming ``words``; returns that line."""
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert result.stdout == ""
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
-
 
 # ------------------------------------------------------------------------ item 10: bad input
 
