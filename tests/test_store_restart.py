@@ -165,11 +165,9 @@ def test_bit_flips_and_truncation_are_misses_never_loads(tmp_path, written_store
 
 
 FOREIGN = {
-    "model-name": ["--model-name", "another/model"],
-    "model-revision": ["--model-revision", "r2"],
+    "model-identity": ["--model-name", "another/model"],
     "dtype": ["--dtype", "bfloat16"],  # tiny's KV is float16
     "format-family": ["--order", "HND"],  # v1-hnd pages are other bytes
-    "layer-count": ["--layers", "3"],
 }
 
 
