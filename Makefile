@@ -50,7 +50,7 @@ test: install vllm-wheel redis-server
 # DEMO_STORE: the store directory (default: a fresh temporary one, removed afterwards; a
 # directory you name is kept). DEMO_STORE_ARGS: flags both restart phases share.
 DEMO_STORE ?=
-DEMO_STORE_ARGS ?= --prompt-tokens 1024
+DEMO_STORE_ARGS ?=
 demo: install
 	$(VPY) -m canonical_ops demo $(DEMO_ARGS)
 	@set -e; store="$(DEMO_STORE)"; \

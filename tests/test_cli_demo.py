@@ -98,6 +98,22 @@ def test_choices_are_case_insensitive():
     assert "invalid choice" not in line and "--writer-tp" in line
 
 
+def test_a_persistent_phase_uses_only_its_own_roles_flags():
+    """A reader neither knows nor needs the topology that wrote the store (and vice versa)."""
+    parse = demo.build_parser().parse_args
+    read = demo.build_config(
+        parse([*TINY, "--store", "/x", "--phase", "read", "--writer-tp", "3"]), "cpu"
+    )
+    assert (read.writer_tp, read.reader_tp) == (2, 2)  # TP 3 is no topology of 8 heads: unused
+    write = demo.build_config(
+        parse([*TINY, "--store", "/x", "--phase", "write", "--reader-tp", "5", "--writer-pp", "2"]),
+        "cpu",
+    )
+    assert (write.reader_tp, write.reader_pp) == (4, 2) == (write.writer_tp, write.writer_pp)
+    with pytest.raises(demo.UsageError, match="--writer-tp 3"):  # both engines run: checked
+        demo.build_config(parse([*TINY, "--store", "/x", "--writer-tp", "3"]), "cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_cuda_without_gpu_is_refused_in_the_parent():
     start = time.monotonic()

@@ -279,13 +279,15 @@ def build_parser() -> CliParser:
         "--writer-tp",
         type=int_in(1, MAX_TP),
         default=4,
-        help="TP of the writers; must divide the KV heads or be a multiple of them",
+        help="TP of the writers; must divide the KV heads or be a multiple of them "
+        "(--phase read ignores it)",
     )
     parser.add_argument(
         "--reader-tp",
         type=int_in(1, MAX_TP),
         default=2,
-        help="TP of the readers; must divide the KV heads or be a multiple of them",
+        help="TP of the readers; must divide the KV heads or be a multiple of them "
+        "(--phase write ignores it)",
     )
     parser.add_argument(
         "--writer-pp",
@@ -373,6 +375,15 @@ def build_config(args, device: str) -> DemoConfig:
     heads = getattr(args, "kv_heads", None)
     if heads is not None and preset.attention == "mla" and heads != 1:
         raise UsageError(f"--kv-heads {heads}: {args.preset} is MLA (one latent per token)")
+    writer = (args.writer_tp, getattr(args, "writer_pp", 1))
+    reader = (args.reader_tp, getattr(args, "reader_pp", 1))
+    # A persistent phase runs one engine: the other role's flags are not used (a reader
+    # neither knows nor needs the topology that wrote the store), so they mirror it.
+    phase = getattr(args, "phase", "both") if getattr(args, "store", None) else "both"
+    if phase == "write":
+        reader = writer
+    elif phase == "read":
+        writer = reader
     cfg = DemoConfig(
         attention=preset.attention,
         layers=args.layers or preset.layers,
@@ -382,14 +393,14 @@ def build_config(args, device: str) -> DemoConfig:
         block_size=preset.block_size,
         packing=args.packing,
         order=args.order,
-        writer_tp=args.writer_tp,
-        reader_tp=args.reader_tp,
+        writer_tp=writer[0],
+        reader_tp=reader[0],
         prompt_blocks=-(-args.prompt_tokens // preset.block_size),
         device=device,
         seed=args.seed,
         preset=args.preset,
-        writer_pp=getattr(args, "writer_pp", 1),
-        reader_pp=getattr(args, "reader_pp", 1),
+        writer_pp=writer[1],
+        reader_pp=reader[1],
         model_name=getattr(args, "model_name", None) or "",
         model_revision=getattr(args, "model_revision", ""),
     )
@@ -1629,6 +1640,8 @@ def summarize(s: Session, result: dict) -> dict:
         for key in ("persist", "fill"):
             del phases[key]
     tiers = s.tier_reports
+    phase = s.stores.phase if s.stores.enabled else "both"
+    roles = {"write": ("writer",), "read": ("reader",)}.get(phase, ("writer", "reader"))
     summary = dict(
         verdict="FAIL" if verification.failures else "PASS",
         failures=verification.failures,
@@ -1654,12 +1667,15 @@ def summarize(s: Session, result: dict) -> dict:
             order=cfg.order,
         ),
         topology=dict(
-            writer_tp=cfg.writer_tp,
-            reader_tp=cfg.reader_tp,
-            writer_pp=cfg.writer_pp,
-            reader_pp=cfg.reader_pp,
-            writer_stages=[list(r) for r in cfg.stages("writer")],
-            reader_stages=[list(r) for r in cfg.stages("reader")],
+            **{
+                f"{role}_{key}": (value if role in roles else None)
+                for role in ("writer", "reader")
+                for key, value in (
+                    ("tp", cfg.tp(role)),
+                    ("pp", cfg.pp(role)),
+                    ("stages", [list(r) for r in cfg.stages(role)]),
+                )
+            },
             device=cfg.device,
             format_id=canonical_format_id(cfg.order),
             parallelism_agnostic=s.geometry.parallelism_agnostic,
@@ -1720,8 +1736,8 @@ def report(summary: dict, out: TextIO, err: TextIO) -> None:
     if summary["verdict"] == "PASS":
         if summary["pages_loaded"] is None:
             print(
-                f"persisted: every prompt page of every stage ({summary['pages_total']} pages) "
-                "is in the store",
+                f"complete: every layer of all {summary['pages_total']} prompt pages is in the "
+                "store, readable by any TP x PP",
                 file=out,
             )
         else:
@@ -1759,9 +1775,15 @@ def print_header(s: Session, out: TextIO) -> None:
         split = f" x PP={len(stages)} {stages}" if len(stages) > 1 else ""
         return f"TP={cfg.tp(role)}{split}"
 
+    phase = s.stores.phase if s.stores.enabled else "both"
+    if phase == "write":
+        topology = f"topology: writers {shape('writer')} (any topology may read the store)"
+    elif phase == "read":
+        topology = f"topology: readers {shape('reader')} (whatever topology wrote the store)"
+    else:
+        topology = f"topologies: writers {shape('writer')} -> readers {shape('reader')}"
     print(
-        f"topologies: writers {shape('writer')} -> readers {shape('reader')}; format id: "
-        f"{canonical_format_id(cfg.order)}; parallelism agnostic: "
+        f"{topology}; format id: {canonical_format_id(cfg.order)}; parallelism agnostic: "
         f"{geometry.parallelism_agnostic}",
         file=out,
     )
