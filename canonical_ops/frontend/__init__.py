@@ -6,7 +6,11 @@
   canonical mappings, builds the plan once, runs one op call per store or load.
 * :class:`PageManager` (``page_manager``): scheduler side; block hash -> canonical page,
   readiness once every elected writer reported, LRU eviction, pins (pure Python).
-* ``demo``: ``python -m canonical_ops demo``.
+* :class:`~.tiers.StageCache` (``tiers``): scheduler side of one pipeline stage; its region's
+  pages first, then persistent tiers (``store``: checksummed unit files, later Redis): lookup
+  falls through, fetches fill region pages from verified units, write-through persists rows.
+* ``store``: ``FileStore`` and the unit format; ``python -m canonical_ops store``.
+* ``demo``: ``python -m canonical_ops demo`` (shared memory, or a restart through ``--store``).
 
 vLLM users do not need any of this: the vLLM plugin (:mod:`canonical_ops.vllm`) uses
 vLLM's own region, scheduler and tiers, and only the ops core. Imports are lazy: the
