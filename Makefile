@@ -44,15 +44,33 @@ redis-server:
 test: install vllm-wheel redis-server
 	$(VPY) -m pytest
 
-# TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present).
+# TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present);
+# then a restart through the file store: a TP=4 engine persists a prompt and exits, a new
+# TP=2 x PP=2 engine (empty regions) reads every page back from the files and verifies it.
+# DEMO_STORE: the store directory (default: a fresh temporary one, removed afterwards; a
+# directory you name is kept). DEMO_STORE_ARGS: flags both restart phases share.
+DEMO_STORE ?=
+DEMO_STORE_ARGS ?=
 demo: install
 	$(VPY) -m canonical_ops demo $(DEMO_ARGS)
+	@set -e; store="$(DEMO_STORE)"; \
+	if [ -z "$$store" ]; then \
+	  store=$$(mktemp -d "$${TMPDIR:-/tmp}/canonical-kv-store.XXXXXX"); \
+	  trap 'rm -rf "$$store"' EXIT; \
+	else mkdir -p "$$store"; fi; \
+	echo; echo "== restart through the file store $$store"; \
+	echo "== a TP=4 engine persists the prompt and exits:"; \
+	$(VPY) -m canonical_ops demo --store "$$store" --phase write --writer-tp 4 $(DEMO_STORE_ARGS); \
+	echo; echo "== a new TP=2 x PP=2 engine, empty regions, reads it from the files:"; \
+	$(VPY) -m canonical_ops demo --store "$$store" --phase read --reader-tp 2 --reader-pp 2 $(DEMO_STORE_ARGS)
 
-# Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots.
+# Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots;
+# then the file tier vs plain file I/O of the same bytes (BENCH_STORE_ARGS, e.g. --dir /mnt/nvme).
 BENCH_OUT ?= bench/results
 bench: install
 	$(VPY) bench/bench_transfer.py --quick --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(VPY) bench/bench_layouts.py
+	$(VPY) bench/bench_store.py --quick --out $(BENCH_OUT) $(BENCH_STORE_ARGS)
 
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .

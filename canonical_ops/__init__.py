@@ -7,7 +7,8 @@ The package has three parts:
   :func:`load`, fake kernels, and :func:`make_plan`, which turns the ``layouts``
   mappings into the plan tensor built once at init;
 * :mod:`canonical_ops.frontend`: for engines without vLLM, the shared /dev/shm
-  region, the per-rank offload worker, the scheduler-side page manager and the demo;
+  region, the per-rank offload worker, the scheduler-side page manager, the persistent
+  store tiers (files, Redis / Valkey) behind ``StageCache`` and the demo;
 * :mod:`canonical_ops.vllm`: the vLLM 0.33 plugin (uses vLLM's own region and
   scheduler; only the ops core from here).
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SharedOffloadRegion,
         region_path,
     )
+    from .frontend.store import FileStore, ModelIdentity, RedisStore, StoreNamespace
+    from .frontend.tiers import StageCache, pp_layer_range, pp_layer_ranges
     from .frontend.worker import (
         OffloadWorker,
         TransferJob,
@@ -71,20 +74,32 @@ _EXPORTS = {
     "TransferJob": ".frontend.worker",
     "canonical_row_bytes": ".frontend.worker",
     "group_layer_mappings": ".frontend.worker",
+    "StageCache": ".frontend.tiers",
+    "pp_layer_range": ".frontend.tiers",
+    "pp_layer_ranges": ".frontend.tiers",
+    "FileStore": ".frontend.store",
+    "RedisStore": ".frontend.store",
+    "StoreNamespace": ".frontend.store",
+    "ModelIdentity": ".frontend.store",
 }
 
 __all__ = [
     "BUILT_WITH_CUDA",
     "CanonicalTransferError",
+    "FileStore",
+    "ModelIdentity",
     "OffloadWorker",
     "PageCapacityError",
     "PageInfo",
     "PageManager",
     "PageState",
     "PageStateError",
+    "RedisStore",
     "RegionClosedError",
     "RegionSpaceError",
     "SharedOffloadRegion",
+    "StageCache",
+    "StoreNamespace",
     "TransferJob",
     "canonical_row_bytes",
     "check_device_errors",
@@ -94,6 +109,8 @@ __all__ = [
     "group_layer_mappings",
     "load",
     "make_plan",
+    "pp_layer_range",
+    "pp_layer_ranges",
     "region_path",
     "set_sm_budget",
     "store",

@@ -16,39 +16,13 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.demo_cli import ROOT, TINY, assert_usage_error, run_demo
 
 from canonical_ops.frontend import demo
 from layouts import LayerSpec, RankContext, certification_failure
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--preset", "tiny", "--prompt-tokens", "32"]
-
-
-def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "canonical_ops", "demo", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def assert_usage_error(result: subprocess.CompletedProcess, *words: str) -> str:
-    """Exit 2, nothing on stdout, one line on stderr naming ``words``; returns that line."""
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert result.stdout == ""
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
-
 
 # ------------------------------------------------------------------------ item 10: bad input
 
@@ -71,6 +45,18 @@ BAD_INPUTS = [
     (["--packing", "interleaved"], ["--packing"]),
     (["--device", "tpu"], ["--device"]),
     (["--no-such-flag"], ["--no-such-flag"]),
+    (["--writer-pp", "0"], ["--writer-pp"]),
+    (["--reader-pp", "1.5"], ["--reader-pp"]),
+    (["--writer-pp", "5"], ["--writer-pp 5", "4 layers"]),  # tiny has 4 layers
+    (["--kv-heads", "0"], ["--kv-heads"]),
+    (["--dtype", "int8"], ["--dtype"]),
+    (["--phase", "read"], ["--phase read", "--store"]),
+    (["--phase", "sideways", "--store", "/tmp"], ["--phase"]),
+    (["--store-capacity", "1G"], ["--store-capacity", "--store"]),
+    (["--store", "/tmp", "--store-capacity", "lots"], ["--store-capacity", "'lots'"]),
+    (["--store", "/tmp", "--store", "/var/tmp"], ["--store", "at most one directory"]),
+    (["--store", "s3://bucket"], ["--store s3://bucket", "directory or a redis:// URL"]),
+    (["--model-name", " "], ["--model-name"]),
 ]
 
 
@@ -110,6 +96,22 @@ def test_choices_are_case_insensitive():
     assert "invalid choice" not in line
     line = assert_usage_error(run_demo("--preset", "DeepSeek-V3", "--writer-tp", "65"))
     assert "invalid choice" not in line and "--writer-tp" in line
+
+
+def test_a_persistent_phase_uses_only_its_own_roles_flags():
+    """A reader neither knows nor needs the topology that wrote the store (and vice versa)."""
+    parse = demo.build_parser().parse_args
+    read = demo.build_config(
+        parse([*TINY, "--store", "/x", "--phase", "read", "--writer-tp", "3"]), "cpu"
+    )
+    assert (read.writer_tp, read.reader_tp) == (2, 2)  # TP 3 is no topology of 8 heads: unused
+    write = demo.build_config(
+        parse([*TINY, "--store", "/x", "--phase", "write", "--reader-tp", "5", "--writer-pp", "2"]),
+        "cpu",
+    )
+    assert (write.reader_tp, write.reader_pp) == (4, 2) == (write.writer_tp, write.writer_pp)
+    with pytest.raises(demo.UsageError, match="--writer-tp 3"):  # both engines run: checked
+        demo.build_config(parse([*TINY, "--store", "/x", "--writer-tp", "3"]), "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
@@ -310,10 +312,15 @@ def test_cross_topology_json_run_passes():
     assert summary["topology"] == dict(
         writer_tp=16,
         reader_tp=2,
+        writer_pp=1,
+        reader_pp=1,
+        writer_stages=[[0, 4]],
+        reader_stages=[[0, 4]],
         device="cpu",
         format_id="v1-hnd",
         parallelism_agnostic=True,
     )
+    assert summary["phase"] == "shared-memory" and "tiers" not in summary
     assert summary["model"]["packing"] == "split" and summary["model"]["layers"] == 4
     for kind in ("store", "load"):
         assert summary[kind]["bytes"] > 0 and summary[kind]["gbps"] > 0

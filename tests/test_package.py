@@ -20,6 +20,7 @@ LIGHT_IMPORTS = (
     "canonical_ops.frontend.page_manager",
     "canonical_ops.frontend.shared_region",
     "canonical_ops.frontend.store",
+    "canonical_ops.frontend.tiers",
     "canonical_ops.vllm",
 )
 

@@ -597,6 +597,62 @@ def test_fail_store_with_generations_skips_reallocated_pages():
     assert pm.fail_store([new], generations=[2]) == [new]
 
 
+def test_a_fill_turns_ready_only_when_its_tier_reports_it():
+    pm = PageManager(4, num_ranks=2)
+    [page] = pm.allocate([b"h"], filler="files")
+    generation = pm.generation(page)
+    assert pm.state(page) == "pending" and pm.info(page).filler == "files"
+    assert pm.pending_writers(page) == frozenset() and pm.num_filling == 1
+    assert pm.lookup([b"h"]) == 0  # never served while its unit is being read
+    with pytest.raises(PageStateError, match="being filled by tier 'files'"):
+        pm.complete_store(page, 0, generation=generation)
+    assert pm.allocate([b"h"]) == [None]  # the block is on its way: no second fill or store
+    pm.complete_fill(page, generation=generation)
+    assert pm.lookup([b"h"]) == 1 and pm.info(page).filler is None and pm.num_filling == 0
+    with pytest.raises(PageStateError, match="not being filled"):
+        pm.complete_fill(page, generation=generation)
+    pm.check_invariants()
+
+
+def test_a_failed_fill_is_a_miss_and_the_page_free_again():
+    pm = PageManager(2)
+    pages = pm.allocate([b"a", b"b"], filler="redis")
+    generations = [pm.generation(p) for p in pages]
+    with pytest.raises(PageStateError, match="generation"):
+        pm.fail_fill(pages[0], generation=generations[0] + 1)
+    pm.fail_fill(pages[0], generation=generations[0])  # corrupt unit: nothing is served
+    assert pm.state(pages[0]) == "free" and pm.page_of(b"a") is None
+    assert pm.lookup([b"a"]) == 0
+    # the block may be fetched (or stored by ranks) again, under a new generation
+    [again] = pm.allocate([b"a"])
+    assert again == pages[0] and pm.generation(again) == generations[0] + 1
+    with pytest.raises(PageStateError, match="not being filled"):
+        pm.fail_fill(again, generation=pm.generation(again))  # a rank store, not a fill
+    pm.check_invariants()
+
+
+def test_fills_are_never_reclaimed_by_timeouts_or_fail_store():
+    """The fill's I/O may still write into the row: only its own report ends it."""
+    clock = FakeClock(0.0)
+    pm = PageManager(2, clock=clock, pending_timeout_s=1.0)
+    [fill] = pm.allocate([b"f"], filler="files")
+    [store] = pm.allocate([b"s"])
+    clock.t = 100.0
+    assert pm.reclaim_stale() == [store]
+    assert pm.fail_store([fill]) == [] and pm.state(fill) == "pending"
+    [store] = pm.allocate([b"s2"])
+    clock.t = 200.0
+    with pytest.raises(PageCapacityError):  # the timed-out store is reclaimed, never the fill
+        pm.allocate([b"x", b"y"])
+    assert pm.allocate([b"x"]) == [store] and pm.state(fill) == "pending"
+    assert pm.allocate([b"f"]) == [None]  # a requested hash being filled is not restored
+    pm.complete_fill(fill, generation=pm.generation(fill))
+    assert pm.lookup([b"f"]) == 1
+    with pytest.raises(TypeError, match="filler"):
+        pm.allocate([b"z"], filler="")
+    pm.check_invariants()
+
+
 def test_introspection():
     pm = PageManager.from_mappings(3, [mla_tp4()])
     assert pm.num_pages == 3 and pm.num_ranks == 4
@@ -649,6 +705,7 @@ class PageManagerMachine(RuleBasedStateMachine):
         )
         # page -> (hash, ranks reported, allocated at); in allocation order.
         self.pending: dict[int, tuple[int, set[int], float]] = {}
+        self.fills: set[int] = set()  # pending pages filled by a tier (no writer ranks)
         self.ready: dict[int, int] = {}  # page -> hash
         self.generation: Counter[int] = Counter()
         self.pins: Counter[int] = Counter()
@@ -662,10 +719,16 @@ class PageManagerMachine(RuleBasedStateMachine):
         return out
 
     def _timed_out(self, page: int) -> bool:
+        if page in self.fills:  # a fill ends only by its job's report
+            return False
         return self.clock.t - self.pending[page][2] > self.TIMEOUT
 
-    @rule(hashes=st.lists(HASHES, max_size=5), data=st.data())
-    def allocate(self, hashes, data):
+    def _drop_pending(self, page: int) -> None:
+        del self.pending[page]
+        self.fills.discard(page)
+
+    @rule(hashes=st.lists(HASHES, max_size=5), fill=st.booleans(), data=st.data())
+    def allocate(self, hashes, fill, data):
         present = self._hash_page()
         new, restored, seen = [], [], set()
         for i, h in enumerate(hashes):
@@ -687,7 +750,7 @@ class PageManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.pm)
         if wanted > len(candidates):
             with pytest.raises(PageCapacityError) as info:
-                self.pm.allocate(hashes)
+                self.pm.allocate(hashes, filler="files" if fill else None)
             err = info.value
             assert (err.needed, err.free, err.evictable, err.expired) == (
                 len(new),
@@ -697,7 +760,7 @@ class PageManagerMachine(RuleBasedStateMachine):
             )
             assert snapshot(self.pm) == before
             return
-        out = self.pm.allocate(hashes)
+        out = self.pm.allocate(hashes, filler="files" if fill else None)
         assert len(out) == len(hashes)
         assert [i for i, p in enumerate(out) if p is not None] == new
         got = [out[i] for i in new]
@@ -708,7 +771,7 @@ class PageManagerMachine(RuleBasedStateMachine):
             taken = reclaimed[: len(new) - len(free)]
             assert set(got) == set(free) | set(taken) | set(victims)
         for page in reclaimed:
-            del self.pending[page]
+            self._drop_pending(page)
         for page in victims:
             assert self.pins[page] == 0
             del self.ready[page]
@@ -717,8 +780,12 @@ class PageManagerMachine(RuleBasedStateMachine):
             self.calls += 1
         for i, page in zip(new, got):
             self.pending[page] = (hashes[i], set(), self.clock.t)
+            if fill:
+                self.fills.add(page)
             self.generation[page] += 1
             self.last_use[page] = (self.calls, -i)
+        if fill:
+            return
         if data.draw(st.booleans(), label="store at once"):  # in any completion order
             for page in data.draw(st.permutations(got), label="completion order"):
                 self._complete_every_writer(page, data)
@@ -730,7 +797,8 @@ class PageManagerMachine(RuleBasedStateMachine):
         current = self.generation[page]
         generation = data.draw(st.sampled_from([current, current - 1, current + 1]))
         entry = self.pending.get(page)
-        if generation != current or entry is None or rank not in _writers(page) or rank in entry[1]:
+        bad_rank = page in self.fills or rank not in _writers(page)
+        if generation != current or entry is None or bad_rank or rank in entry[1]:
             before = snapshot(self.pm)
             with pytest.raises(PageStateError):
                 self.pm.complete_store(page, rank, generation=generation)
@@ -758,8 +826,29 @@ class PageManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def complete_every_writer(self, data):
         """Every remaining writer of one pending page reports, in a random order."""
-        if self.pending:
-            self._complete_every_writer(data.draw(st.sampled_from(sorted(self.pending))), data)
+        stores = sorted(set(self.pending) - self.fills)
+        if stores:
+            self._complete_every_writer(data.draw(st.sampled_from(stores)), data)
+
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_fill(self, data, ok):
+        """A tier's job reports a fill (verified: ready; missing or corrupt: free again)."""
+        page = data.draw(st.integers(0, self.NUM_PAGES - 1))
+        current = self.generation[page]
+        generation = data.draw(st.sampled_from([current, current - 1, current + 1]))
+        report = self.pm.complete_fill if ok else self.pm.fail_fill
+        if generation != current or page not in self.fills:
+            before = snapshot(self.pm)
+            with pytest.raises(PageStateError):
+                report(page, generation=generation)
+            assert snapshot(self.pm) == before
+            return
+        h, _, _ = self.pending[page]
+        report(page, generation=generation)
+        self._drop_pending(page)
+        if ok:
+            self.ready[page] = h
+            self.evictable.add(page)  # as recent as its allocation
 
     @rule(pages=st.lists(st.integers(0, NUM_PAGES - 1), max_size=3), stale=st.booleans())
     def fail(self, pages, stale):
@@ -768,18 +857,22 @@ class PageManagerMachine(RuleBasedStateMachine):
         else:
             generations = [max(1, self.generation[p]) for p in pages]
         matching = [p for p, g in zip(pages, generations) if self.generation[p] == g]
-        expected = [p for p in dict.fromkeys(matching) if p in self.pending]
+        expected = [p for p in dict.fromkeys(matching) if p in self.pending and p not in self.fills]
         assert self.pm.fail_store(pages, generations=generations) == expected
         for page in expected:
-            del self.pending[page]
+            self._drop_pending(page)
 
     @rule(dt=st.floats(0.0, 3.0), max_age=st.floats(0.0, 20.0))
     def reclaim(self, dt, max_age):
         self.clock.t += dt
-        expected = sorted(p for p, (_, _, t) in self.pending.items() if self.clock.t - t > max_age)
+        expected = sorted(
+            p
+            for p, (_, _, t) in self.pending.items()
+            if self.clock.t - t > max_age and p not in self.fills
+        )
         assert self.pm.reclaim_stale(max_age) == expected
         for page in expected:
-            del self.pending[page]
+            self._drop_pending(page)
 
     @rule(dt=st.floats(0.0, 4.0))
     def wait(self, dt):
@@ -844,12 +937,18 @@ class PageManagerMachine(RuleBasedStateMachine):
         pm.check_invariants()
         assert pm.num_free + pm.num_pending + pm.num_ready == self.NUM_PAGES
         assert pm.num_pending == len(self.pending) and pm.num_ready == len(self.ready)
+        assert pm.num_filling == len(self.fills)
         for page, h in self.ready.items():  # pinned pages included: never evicted
             assert pm.state(page) == "ready" and pm.hash_of(page) == h and pm.page_of(h) == page
             assert pm.refcount(page) == self.pins[page]
         for page, (h, done, _) in self.pending.items():
             assert pm.state(page) == "pending" and pm.page_of(h) == page
-            assert pm.pending_writers(page) == _writers(page) - done
+            if page in self.fills:
+                assert pm.pending_writers(page) == frozenset()
+                assert pm.info(page).filler == "files"
+            else:
+                assert pm.pending_writers(page) == _writers(page) - done
+                assert pm.info(page).filler is None
         for page in range(self.NUM_PAGES):
             assert pm.generation(page) == self.generation[page]
             if page not in self.ready and page not in self.pending:

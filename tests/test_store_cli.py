@@ -148,6 +148,10 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys) -> None:
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # the same one-line form as every CLI of the project (layouts.cli.CliParser)
+    assert err.startswith("python -m canonical_ops store") and err.rstrip().endswith("(see --help)")
+    if "--capacity" in argv[-2:]:
+        assert "--capacity" in err and repr(argv[-1]) in err
 
 
 def test_help_exits_0(capsys) -> None:

@@ -6,7 +6,11 @@
   canonical mappings, builds the plan once, runs one op call per store or load.
 * :class:`PageManager` (``page_manager``): scheduler side; block hash -> canonical page,
   readiness once every elected writer reported, LRU eviction, pins (pure Python).
-* ``demo``: ``python -m canonical_ops demo``.
+* :class:`~.tiers.StageCache` (``tiers``): scheduler side of one pipeline stage; its region's
+  pages first, then persistent tiers (``store``: checksummed unit files, Redis / Valkey): lookup
+  falls through, fetches fill region pages from verified units, write-through persists rows.
+* ``store``: ``FileStore``, ``RedisStore`` and their one unit format; ``python -m canonical_ops store``.
+* ``demo``: ``python -m canonical_ops demo`` (shared memory, or a restart through ``--store``).
 
 vLLM users do not need any of this: the vLLM plugin (:mod:`canonical_ops.vllm`) uses
 vLLM's own region, scheduler and tiers, and only the ops core. Imports are lazy: the
@@ -27,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SharedOffloadRegion,
         region_path,
     )
+    from .store import FileStore, ModelIdentity, RedisStore, StoreNamespace
+    from .tiers import StageCache, pp_layer_range, pp_layer_ranges
     from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
 
 _EXPORTS = {
@@ -43,21 +49,35 @@ _EXPORTS = {
     "TransferJob": ".worker",
     "canonical_row_bytes": ".worker",
     "group_layer_mappings": ".worker",
+    "StageCache": ".tiers",
+    "pp_layer_range": ".tiers",
+    "pp_layer_ranges": ".tiers",
+    "FileStore": ".store",
+    "RedisStore": ".store",
+    "StoreNamespace": ".store",
+    "ModelIdentity": ".store",
 }
 
 __all__ = [
+    "FileStore",
+    "ModelIdentity",
     "OffloadWorker",
     "PageCapacityError",
     "PageInfo",
     "PageManager",
     "PageState",
     "PageStateError",
+    "RedisStore",
     "RegionClosedError",
     "RegionSpaceError",
     "SharedOffloadRegion",
+    "StageCache",
+    "StoreNamespace",
     "TransferJob",
     "canonical_row_bytes",
     "group_layer_mappings",
+    "pp_layer_range",
+    "pp_layer_ranges",
     "region_path",
 ]
 

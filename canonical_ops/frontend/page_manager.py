@@ -20,6 +20,19 @@ Page life cycle
     Every elected writer has reported (:meth:`PageManager.complete_store`); it
     may be loaded, and, when no load holds it (refcount 0), evicted.
 
+Pages filled by a tier
+----------------------
+A page can also be *filled* by the scheduler itself from a persistent tier
+(files, Redis; see :mod:`canonical_ops.frontend.tiers`): ``allocate(hashes,
+filler="files")`` makes pending pages that no rank writes. The tier's I/O job
+reads and verifies the unit into the page's row, then reports
+:meth:`PageManager.complete_fill` (ready) or :meth:`PageManager.fail_fill`
+(free again, hash forgotten: a bad or missing unit is a miss, never a load),
+naming the generation read at allocation like a store's report. A fill is
+never reclaimed by ``pending_timeout_s``, :meth:`~PageManager.reclaim_stale`
+or :meth:`~PageManager.fail_store`: its I/O job may still write into the row,
+so only the job's own report ends it (jobs of the tiers' pools always finish).
+
 Why readiness waits for every elected writer
 --------------------------------------------
 A canonical page is assembled from the bytes of several ranks: with sharded
@@ -173,6 +186,9 @@ class PageInfo:
     generation : int
         Allocations of the page so far (0: never allocated); the generation its
         writers' reports must name.
+    filler : str | None
+        The tier filling this pending page (``allocate(..., filler=)``); None
+        for a page stored by ranks, and for ready and free pages.
     """
 
     page_id: int
@@ -182,6 +198,7 @@ class PageInfo:
     writers: frozenset[int]
     pending_writers: frozenset[int]
     generation: int
+    filler: str | None = None
 
 
 def _seconds(name: str, value: object) -> float:
@@ -194,14 +211,20 @@ def _seconds(name: str, value: object) -> float:
 
 
 class _PendingStore:
-    """Mutable record of one in-flight store (guarded by the manager's lock)."""
+    """Mutable record of one in-flight store or fill (guarded by the manager's lock).
 
-    __slots__ = ("allocated_at", "remaining", "writers")
+    A fill (``filler`` set) has no writer ranks: the tier's job reports it.
+    """
 
-    def __init__(self, writers: frozenset[int], allocated_at: float) -> None:
+    __slots__ = ("allocated_at", "filler", "remaining", "writers")
+
+    def __init__(
+        self, writers: frozenset[int], allocated_at: float, filler: str | None = None
+    ) -> None:
         self.writers = writers
         self.remaining = set(writers)
         self.allocated_at = allocated_at
+        self.filler = filler
 
 
 class PageManager:
@@ -392,6 +415,12 @@ class PageManager:
             return len(self._pending)
 
     @property
+    def num_filling(self) -> int:
+        """Pending pages being filled by a tier (a subset of :attr:`num_pending`)."""
+        with self._lock:
+            return sum(store.filler is not None for store in self._pending.values())
+
+    @property
     def num_ready(self) -> int:
         """Pages fully stored by every elected writer."""
         with self._lock:
@@ -511,13 +540,19 @@ class PageManager:
         for page, store in self._pending.items():
             if not now - store.allocated_at > max_age_s:
                 break  # allocation order is clock order: the rest are younger
-            out.append(page)
+            if store.filler is None:  # a fill ends only by its job's report
+                out.append(page)
         return out
 
     def _is_expired(self, page: int, now: float) -> bool:
         store = self._pending.get(page)
         timeout = self._pending_timeout_s
-        return store is not None and timeout is not None and now - store.allocated_at > timeout
+        return (
+            store is not None
+            and store.filler is None
+            and timeout is not None
+            and now - store.allocated_at > timeout
+        )
 
     # ----------------------------------------------------------------- scheduler API
 
@@ -553,13 +588,20 @@ class PageManager:
                 self._compact()
             return len(prefix)
 
-    def allocate(self, block_hashes: Iterable[Hashable]) -> list[int | None]:
+    def allocate(
+        self, block_hashes: Iterable[Hashable], *, filler: str | None = None
+    ) -> list[int | None]:
         """Pages to store ``block_hashes`` into; new pages start ``pending``.
 
         Parameters
         ----------
         block_hashes : Iterable[Hashable]
             Hashes of the blocks to store, first block of the sequence first.
+        filler : str | None
+            None: the pages are stored by the elected writer ranks
+            (:meth:`complete_store`). A tier's name: the pages are filled by
+            that tier's I/O (no rank writes them), reported by
+            :meth:`complete_fill` or :meth:`fail_fill` only.
 
         Returns
         -------
@@ -591,6 +633,8 @@ class PageManager:
         hash and per page taken (plus the timed-out stores it abandons).
         """
         hashes = self._hashes(block_hashes)
+        if filler is not None and (not isinstance(filler, str) or not filler):
+            raise TypeError(f"filler: expected None or a tier name (non-empty str), got {filler!r}")
         with self._lock:
             now = self._clock()
             new: list[int] = []  # indices into hashes that need a page
@@ -629,7 +673,10 @@ class PageManager:
             try:
                 # Ask for the writers before changing anything: a bad writer_ranks result
                 # raises with the manager untouched.
-                writers = [self._writers_for(page) for page in pages]
+                no_ranks: frozenset[int] = frozenset()
+                writers = [
+                    no_ranks if filler is not None else self._writers_for(page) for page in pages
+                ]
             except BaseException:
                 for entry in victims:
                     heapq.heappush(self._heap, entry)
@@ -653,7 +700,7 @@ class PageManager:
                 self._writers[page] = page_writers
                 self._generation[page] += 1
                 self._last_use[page] = (tick, -i)
-                self._pending[page] = _PendingStore(page_writers, now)
+                self._pending[page] = _PendingStore(page_writers, now, filler)
                 out[i] = page
             self._compact()
             return out
@@ -711,6 +758,11 @@ class PageManager:
                     f"page_id: page {page} is {self._state[page]}, not pending; "
                     "its store was never allocated, already completed, or failed"
                 )
+            if store.filler is not None:
+                raise PageStateError(
+                    f"page_id: page {page} is being filled by tier {store.filler!r}, not "
+                    "stored by ranks; its fill is reported by complete_fill / fail_fill"
+                )
             if rank not in store.writers:
                 raise PageStateError(
                     f"rank: rank {rank} is not an elected writer of page {page} "
@@ -735,6 +787,8 @@ class PageManager:
         For a store that failed or whose writer rank died. Pages that are not
         pending (free, or ready because every writer had already reported) are
         left as they are, so reporting every in-flight page of a dead rank is safe.
+        Pages being filled by a tier are left alone too (:meth:`fail_fill`
+        ends those: their I/O may still write into the row).
 
         Parameters
         ----------
@@ -770,7 +824,8 @@ class PageManager:
         with self._lock:
             if generations is not None:
                 pages = [p for p, g in zip(pages, gens) if self._generation[p] == g]
-            return self._fail_locked(pages)
+            fills = self._pending
+            return self._fail_locked(p for p in pages if p not in fills or fills[p].filler is None)
 
     def _fail_locked(self, pages: Iterable[int]) -> list[int]:
         failed = []
@@ -784,6 +839,70 @@ class PageManager:
             self._free.append(page)
             failed.append(page)
         return failed
+
+    def _fill_locked(self, page: int, generation: int, what: str) -> _PendingStore:
+        """The pending fill of ``page`` at ``generation``; PageStateError otherwise."""
+        current = self._generation[page]
+        if generation != current:
+            raise PageStateError(
+                f"generation: expected page {page}'s current generation {current}, got "
+                f"{generation}: a {what} names the generation read right after allocate"
+            )
+        store = self._pending.get(page)
+        if store is None or store.filler is None:
+            state = "being stored by ranks" if store is not None else self._state[page]
+            raise PageStateError(
+                f"page_id: page {page} is {state}, not being filled by a tier; "
+                f"{what} reports only fills allocated with allocate(..., filler=)"
+            )
+        return store
+
+    def complete_fill(self, page_id: int, *, generation: int) -> None:
+        """A tier's fill of page ``page_id`` read and verified its unit: the page is ready.
+
+        Parameters
+        ----------
+        page_id : int
+            A page allocated with ``allocate(..., filler=)``.
+        generation : int
+            The page's generation read right after that allocation.
+
+        Raises
+        ------
+        PageStateError
+            Unknown page, another generation, or the page is not being filled.
+        """
+        page = self._check_page(page_id)
+        generation = check_int("generation", generation, minimum=1, error=PageStateError)
+        with self._lock:
+            self._fill_locked(page, generation, "complete_fill")
+            del self._pending[page]
+            self._state[page] = READY
+            self._num_ready += 1
+            self._make_evictable(page)  # as recent as its allocation
+
+    def fail_fill(self, page_id: int, *, generation: int) -> None:
+        """A tier's fill of page ``page_id`` failed (missing, corrupt, I/O error, refused).
+
+        The page goes back to free and its hash is forgotten: the block is a
+        miss and may be fetched or stored again. Whatever the job wrote into
+        the row is never served.
+
+        Raises
+        ------
+        PageStateError
+            Unknown page, another generation, or the page is not being filled.
+        """
+        page = self._check_page(page_id)
+        generation = check_int("generation", generation, minimum=1, error=PageStateError)
+        with self._lock:
+            self._fill_locked(page, generation, "fail_fill")
+            del self._pending[page]
+            del self._page_of[self._hash_of[page]]
+            self._hash_of[page] = None
+            self._writers[page] = frozenset()
+            self._state[page] = FREE
+            self._free.append(page)
 
     def reclaim_stale(self, max_age_s: float | None = None, now: float | None = None) -> list[int]:
         """Fail every pending page allocated more than ``max_age_s`` seconds ago.
@@ -949,6 +1068,7 @@ class PageManager:
                 writers=self._writers[page],
                 pending_writers=frozenset(store.remaining) if store else frozenset(),
                 generation=self._generation[page],
+                filler=store.filler if store else None,
             )
 
     def generation(self, page_id: int) -> int:
@@ -987,6 +1107,9 @@ class PageManager:
                 assert state == READY or self._refcount[page] == 0
             for page in self._free:
                 assert states[page] == FREE
+            for page, store in self._pending.items():
+                assert store.filler is None or (not store.writers and not store.remaining)
+                assert self._writers[page] == store.writers
             stamps = [store.allocated_at for store in self._pending.values()]
             assert stamps == sorted(stamps), "pending stores out of allocation order"
             live = {page for *key, page in self._heap if self._evictable.get(page) == tuple(key)}

@@ -13,7 +13,9 @@ import numpy as np
 from canonical_ops.frontend.store import FileStore, ModelIdentity, StoreNamespace
 from layouts import LayerSpec, RankContext
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/helpers/store.py -> the repository root (children must import THIS checkout's
+# canonical_ops, not whatever an editable install of another checkout points at).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def small_namespace(

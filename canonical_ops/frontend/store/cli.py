@@ -29,6 +29,8 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+from layouts.cli import CliParser
+
 from .encoding import CorruptUnit
 from .files import (
     NAMESPACE_FILE,
@@ -61,13 +63,12 @@ def parse_size(text: str) -> int:
     return int(match[1]) * 1024 ** _POWERS.get((match[2] or "").upper(), 0)
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump, no SystemExit(2) here
-        raise _UsageError(message)
+def _capacity(text: str) -> int:
+    """argparse ``type`` of ``--capacity``."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass
@@ -237,12 +238,12 @@ def _gc(directory: str, capacity: int, as_json: bool) -> int:
     return 0
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> CliParser:
+    parser = CliParser(
         prog="python -m canonical_ops store",
         description="Inspect and maintain a canonical-kv file store.",
     )
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=CliParser)
     for name, text in (
         ("stats", "namespaces, unit counts, bytes, keys, layer ranges"),
         ("verify", "check every unit file; exit 1 and list the bad ones"),
@@ -253,32 +254,34 @@ def _parser() -> _Parser:
         command.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "gc":
             command.add_argument(
-                "--capacity", required=True, metavar="BYTES", help="e.g. 500G, 1TiB, 1048576"
+                "--capacity",
+                type=_capacity,
+                required=True,
+                metavar="BYTES",
+                help="e.g. 500G, 1TiB, 1048576",
             )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``store`` with ``argv`` (without the ``store`` word); returns the exit code."""
+    """Run ``store`` with ``argv`` (without the ``store`` word); returns the exit code.
+
+    Usage errors are one line on stderr and exit status 2 (``layouts.cli.CliParser``,
+    as every CLI of the project).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
         if args.command is None:
-            raise _UsageError("expected a command: stats, verify or gc")
+            parser.fail("expected a command: stats, verify or gc")
         directory = os.path.abspath(args.directory)
         if not os.path.isdir(directory):
-            raise _UsageError(f"DIR: expected a store directory, {args.directory!r} is not one")
-        if args.command == "gc":
-            try:
-                capacity = parse_size(args.capacity)
-            except ValueError as error:
-                raise _UsageError(f"--capacity: {error}") from None
-            return _gc(directory, capacity, args.json)
-        if args.command == "stats":
-            return _stats(directory, args.json)
-        return _verify(directory, args.json)
-    except _UsageError as error:
-        print(f"canonical_ops store: error: {error}", file=sys.stderr)
-        return 2
-    except SystemExit as exit_:  # --help
+            parser.fail(f"DIR: expected a store directory, {args.directory!r} is not one")
+    except SystemExit as exit_:  # usage errors (2) and --help (0)
         return exit_.code if isinstance(exit_.code, int) else 0
+    if args.command == "gc":
+        return _gc(directory, args.capacity, args.json)
+    if args.command == "stats":
+        return _stats(directory, args.json)
+    return _verify(directory, args.json)

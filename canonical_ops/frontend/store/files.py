@@ -72,6 +72,7 @@ import numpy as np
 
 from ...checks import check_int
 from .encoding import (
+    FIXED_HEADER_BYTES,
     MAX_HEADER_BYTES,
     CorruptUnit,
     PayloadVerifier,
@@ -1140,7 +1141,7 @@ class FileStore:
 
     def _load_unit(self, raw_key: bytes, first: int, end: int, dest: memoryview) -> JobOutcome:
         kd = hashlib.sha256(raw_key).hexdigest()[:32]
-        offsets = self.namespace.payload_offsets(first, end)
+        offsets: tuple[int, ...] | None = None  # only for units of another split
         excluded: set[tuple[str, int, int]] = set()
         refreshed = False
         problems: list[str] = []
@@ -1156,6 +1157,8 @@ class FileStore:
                 detail = "; ".join(problems) or "not stored"
                 return JobOutcome("miss", detail=detail)
             try:
+                if offsets is None and [(e.first, e.end) for e in chain] != [(first, end)]:
+                    offsets = self.namespace.payload_offsets(first, end)
                 for entry in chain:
                     self._read_into(raw_key, entry, first, end, dest, offsets)
             except _UnitGone as gone:
@@ -1186,9 +1189,14 @@ class FileStore:
         first: int,
         end: int,
         dest: memoryview,
-        offsets: tuple[int, ...],
+        offsets: tuple[int, ...] | None,
     ) -> None:
-        """Read, verify and place the part of ``entry`` inside [first, end) into ``dest``."""
+        """Read, verify and place the part of ``entry`` inside [first, end) into ``dest``.
+
+        ``offsets`` (:meth:`StoreNamespace.payload_offsets` of [first, end)) may be
+        None when ``entry`` is exactly [first, end): the common case, which costs no
+        O(layers) work.
+        """
         path = unit_path(self.directory, entry.kd, entry.first, entry.end)
         try:
             fd = _open_read(path)
@@ -1196,7 +1204,7 @@ class FileStore:
             raise _UnitGone(entry) from None
         try:
             st = os.fstat(fd)
-            head_len = header_length(raw_key)
+            head_len = FIXED_HEADER_BYTES + ((len(raw_key) + 7) & ~7)  # header_length(raw_key)
             payload_len = self.namespace.layer_bytes(entry.first, entry.end)
             try:
                 if not stat.S_ISREG(st.st_mode):
@@ -1208,13 +1216,21 @@ class FileStore:
                         f"size {st.st_size} != {head_len + payload_len} bytes expected"
                     )
                 lo, hi = max(first, entry.first), min(end, entry.end)
-                target = dest[offsets[lo - first] : offsets[hi - first]]
+                # offsets is None only when the unit is exactly the range
+                target = (
+                    dest if offsets is None else dest[offsets[lo - first] : offsets[hi - first]]
+                )
                 whole = (lo, hi) == (entry.first, entry.end)
                 # A unit inside the range is read straight into the destination;
                 # one that sticks out goes through a scratch buffer.
                 body = target if whole else memoryview(bytearray(payload_len))
                 head = memoryview(bytearray(head_len))
-                if _read_all(fd, [head, body], 0) != st.st_size:
+                # One preadv for the whole unit (a loop only for short reads or huge units).
+                size = st.st_size
+                got = os.preadv(fd, [head, body], 0) if size <= _IO_CHUNK_BYTES else 0
+                if got < size:
+                    got += _read_all(fd, _advance([head, body], got), got)
+                if got != size:
                     raise CorruptUnit("short read")
                 header = decode_header(
                     head, namespace=self.namespace, key=raw_key, first=entry.first, end=entry.end
@@ -1229,8 +1245,12 @@ class FileStore:
                 start = self.namespace.payload_offsets(entry.first, entry.end)[lo - entry.first]
                 target[:] = body[start : start + len(target)]
             now = time.time_ns()
-            with contextlib.suppress(OSError):  # recency for other processes and restarts
-                os.utime(fd, ns=(now, st.st_mtime_ns))
+            # Recency for other processes and restarts, quantised like the eviction order:
+            # a unit already stamped within the granularity keeps its stamp (no inode write
+            # per load of a hot unit).
+            if now - max(st.st_atime_ns, st.st_mtime_ns) >= self._granularity_ns:
+                with contextlib.suppress(OSError):
+                    os.utime(fd, ns=(now, st.st_mtime_ns))
             with self._lock:
                 entry.last_used = now
                 if entry.ident in self._lru:
