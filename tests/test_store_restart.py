@@ -14,7 +14,6 @@ tests show what the engine does with them.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import signal
@@ -364,14 +363,12 @@ def test_a_root_that_cannot_be_written_is_a_one_line_error_at_start_up(tmp_path)
         os.system(f"umount {ro}")
 
 
-def test_a_redis_url_is_refused_until_the_redis_tier_exists(tmp_path):
+def test_an_unreachable_redis_url_beside_a_directory_is_a_one_line_start_up_error(tmp_path):
     url = "redis://user:secret@127.0.0.1:1/0"
     result = run_demo(*PROMPT, "--store", str(tmp_path), "--store", url)
-    if importlib.util.find_spec("canonical_ops.frontend.store.redis_store") is None:
-        line = assert_usage_error(result, "redis:// stores are not available yet")
-    else:  # the tier exists: an unreachable server is still a one-line start-up error
-        line = assert_usage_error(result, "--store redis://")
+    line = assert_usage_error(result, "--store redis://***@127.0.0.1:1/0")
     assert "secret" not in line  # the password is never printed
+    assert not list(tmp_path.iterdir())  # nothing was written: checked before any work
 
 
 def test_mla_has_no_kv_head_override():

@@ -251,6 +251,48 @@ def test_a_prefix_half_in_one_tier_half_in_another(tmp_path):
         assert per_tier["files-a"].stores_ok == 3 and per_tier["batch-b"].stores_ok == 3
 
 
+def test_promote_copies_only_what_came_from_a_farther_tier_into_the_nearer_ones(tmp_path):
+    for name in ("near", "far"):
+        (tmp_path / name).mkdir()
+    with (
+        FileStore(tmp_path / "near", NS, fsync=False) as near,
+        FileStore(tmp_path / "far", NS, fsync=False) as far,
+    ):
+        Stage(0, 32, [near]).write(range(2))
+        Stage(0, 32, [far]).write(range(5))
+        near.pool.close()
+        far.pool.close()
+    with (
+        FileStore(tmp_path / "near", NS, fsync=False) as near,
+        FileStore(tmp_path / "far", NS, fsync=False) as far,
+    ):
+        reader = Stage(0, 32, [near, far], pages=8, names=["near", "far"])
+        reader.write(range(5, 6))  # block 5: stored by this engine itself, from no tier
+        reader.cache.drain(30)
+        before = {t.name: t.stores_ok for t in reader.cache.metrics().tiers}
+        found = reader.cache.lookup(KEYS[:5])
+        assert found == TierLookup(0, 5, (0, 0, 1, 1, 1))
+        reader.cache.fetch(KEYS[:5], found)
+        reader.cache.drain(30)
+        result = reader.cache.promote(KEYS)
+        # 2-4 go to "near"; 0-1 came from "near" (nothing nearer), 5 from no tier
+        assert (result.submitted, result.not_ready) == (3, 0)
+        assert result.skipped == 2 * 2 + 3 * 1 + 2
+        reader.cache.drain(30)
+        stored = {t.name: t.stores_ok - before[t.name] for t in reader.cache.metrics().tiers}
+        assert stored == {"near": 3, "far": 0}
+        assert near.lookup(KEYS, 0, 32) == 6  # 0-4 promoted or had, 5 written through above
+        for block, got in enumerate(reader.ready_rows(6)):
+            assert np.array_equal(got, truth(block))
+    with FileStore(tmp_path / "near", NS, fsync=False) as near:  # a restart: near alone
+        alone = Stage(0, 32, [near])
+        alone.cache.fetch(KEYS)
+        alone.cache.drain(30)
+        assert alone.manager.lookup(KEYS) == 6
+        for block, got in enumerate(alone.ready_rows(6)):
+            assert np.array_equal(got, truth(block))
+
+
 # ---------------------------------------------------------------------- failing tiers
 
 

@@ -12,16 +12,21 @@ byte of every head, token and layer with the unsharded truth.
 
 Without --store (shared memory), the readers attach the writers' regions (a
 reader stage spanning two writer stages reads both) while the writer engine
-holds them. With --store DIR (persistent), the engines share nothing but files:
+holds them. With --store (persistent), the engines share nothing but the store:
+a directory (files), a Redis / Valkey server (``redis://HOST:PORT/DB``,
+``rediss://``, ``unix://``, ``redis+cluster://``) or both, given as two
+--store (lookup order region -> files -> Redis):
 
 ``--phase write``
     The writer engine stores the prompt, persists every stage's region rows
-    (one unit per block and stage) into the file store, and exits: its regions
+    (one unit per block and stage) into every store, and exits: its regions
     are gone.
 ``--phase read``
     A new engine with the reader topology and empty regions looks the prompt's
-    blocks up (region, then files), fills its regions from units it verified,
-    loads them into its caches and checks them against the truth.
+    blocks up (region, then files, then Redis), fills its regions from units it
+    verified, loads them into its caches and checks them against the truth.
+    With two stores, what came from Redis is also written to the directory
+    (``promote`` in the JSON; --no-promote turns it off).
 ``--phase both`` (default)
     The write engine, closed, then a separate read engine, in this process.
 
@@ -42,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -313,7 +317,8 @@ def build_parser() -> CliParser:
         metavar="DIR",
         default=None,
         help="persist to and read from the file store at DIR (an existing writable "
-        "directory); later also a redis:// URL, given as a second --store",
+        "directory) or a Redis / Valkey server (redis://[USER:PASSWORD@]HOST:PORT/DB, "
+        "rediss://, unix://PATH, redis+cluster://); twice for both (files looked up first)",
     )
     parser.add_argument(
         "--phase",
@@ -330,6 +335,12 @@ def build_parser() -> CliParser:
         metavar="BYTES",
         help="bytes of unit files the file store keeps (least recently used evicted first, "
         "tails first), e.g. 512M; default unbounded",
+    )
+    parser.add_argument(
+        "--no-promote",
+        action="store_true",
+        help="with a directory and a URL: do not copy units the read engine got from Redis "
+        "into the directory",
     )
     parser.add_argument(
         "--model-name",
@@ -432,6 +443,7 @@ class StorePlan:
     locations: tuple[str, ...]  # directories (absolute) and URLs, in lookup order
     phase: str
     capacity_bytes: int | None
+    promote: bool = False  # read engine: copy what came from Redis into the directory
 
     @property
     def enabled(self) -> bool:
@@ -463,8 +475,6 @@ def plan_stores(args) -> StorePlan:
                 f"--store {redact(value)}: expected a directory or a redis:// URL, got a "
                 f"{scheme}:// URL"
             )
-        if importlib.util.find_spec("canonical_ops.frontend.store.redis_store") is None:
-            raise UsageError(f"--store {redact(value)}: redis:// stores are not available yet")
         locations.append(value)
         kinds.append("redis")
     for kind in ("files", "redis"):
@@ -473,7 +483,16 @@ def plan_stores(args) -> StorePlan:
                 f"--store: expected at most one directory and one redis:// URL, got "
                 f"{kinds.count(kind)} {'directories' if kind == 'files' else 'URLs'}"
             )
-    return StorePlan(tuple(locations), args.phase, args.store_capacity)
+    if args.store_capacity is not None and "files" not in kinds:
+        raise UsageError(
+            "--store-capacity: needs --store DIR (a Redis server's capacity is its own maxmemory)"
+        )
+    if args.no_promote and kinds != ["files", "redis"] and kinds != ["redis", "files"]:
+        raise UsageError("--no-promote: needs two --store, a directory and a redis:// URL")
+    # Nearest first: the local directory, then the shared server (whatever the flag order).
+    ordered = sorted(zip(kinds, locations), key=lambda kl: kl[0] != "files")
+    promote = len(ordered) > 1 and not args.no_promote
+    return StorePlan(tuple(loc for _, loc in ordered), args.phase, args.store_capacity, promote)
 
 
 def tier_kind(location: str) -> str:
@@ -484,8 +503,10 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
     """(name, location, tier) of every --store, opened for ``namespace``; UsageError when
     a root is missing, not a directory or not writable, or a server refuses us."""
     tiers: list[tuple[str, str, Any]] = []
+    # Servers first: a refused connection or password leaves no directory created.
+    opening = sorted(plan.locations, key=lambda location: tier_kind(location) == "files")
     try:
-        for location in plan.locations:
+        for location in opening:
             shown = redact(location)
             try:
                 if tier_kind(location) == "files":
@@ -498,9 +519,9 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
                         queue_depth=queue_depth,
                     )
                 else:
-                    from .store import redis_store  # type: ignore[attr-defined]
+                    from .store import RedisStore
 
-                    tier = redis_store.RedisStore(location, namespace, queue_depth=queue_depth)
+                    tier = RedisStore(location, namespace, queue_depth=queue_depth)
             except (OSError, ValueError, RuntimeError) as error:
                 raise UsageError(f"--store {shown}: {error}") from None
             tiers.append((tier_kind(location), shown, tier))
@@ -508,7 +529,7 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
         for _, _, tier in tiers:
             tier.close()
         raise
-    return tiers
+    return sorted(tiers, key=lambda opened: opened[0] != "files")  # lookup order: files first
 
 
 # ------------------------------------------------------------------------------ geometry
@@ -1145,7 +1166,7 @@ class Session:
     out: TextIO
     timeout_s: float
     pool: Any = None
-    stores: StorePlan = field(default_factory=lambda: StorePlan((), "both", None))
+    stores: StorePlan = field(default_factory=lambda: StorePlan((), "both", None, False))
     hashes: list = field(default_factory=list)
     run_id: str = field(default_factory=lambda: f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
     first_tiers: list = field(default_factory=list)  # opened at start-up (usage checks)
@@ -1374,10 +1395,14 @@ def fill_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
     seconds = time.perf_counter() - start
     counters = [t for stage in stages for t in stage.cache.metrics().tiers]
     nbytes = sum(t.bytes_filled for t in counters)
+    by_tier = {name: 0 for name, _, _ in tiers}
+    for t in counters:
+        by_tier[t.name] += t.fills_ok
     return dict(
         pages_found=min(found),
         pages_filled=min(stage.ready for stage in stages),
         pages_loaded_by_stages=sum(t.fills_ok for t in counters),
+        pages_by_tier=by_tier,  # stage pages filled from each tier (files, redis)
         # Units read and verified (a stage of another split reads each unit it overlaps).
         unit_reads=sum(getattr(tier.metrics(), "units_loaded", 0) for _, _, tier in tiers),
         units_missed=sum(t.fills_missed for t in counters),
@@ -1386,6 +1411,35 @@ def fill_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
         bytes=nbytes,
         seconds=seconds,
         gbps=nbytes / seconds / 1e9 if seconds > 0 and nbytes else None,
+    )
+
+
+def promote_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
+    """Two tiers: store what the fill got from Redis into the directory (waits for it)."""
+    start = time.perf_counter()
+    before = {id(stage): stage.cache.metrics().tiers for stage in stages}
+    submitted = skipped = 0
+    for stage in stages:
+        result = stage.cache.promote(s.hashes)
+        submitted, skipped = submitted + result.submitted, skipped + result.skipped
+    for stage in stages:
+        stage.cache.drain(s.timeout_s)
+    seconds = time.perf_counter() - start
+    ok = failed = refused = nbytes = 0
+    for stage in stages:
+        for old, new in zip(before[id(stage)], stage.cache.metrics().tiers):
+            ok += new.stores_ok - old.stores_ok
+            failed += new.stores_failed - old.stores_failed
+            refused += new.stores_refused - old.stores_refused
+            nbytes += new.bytes_stored - old.bytes_stored
+    return dict(
+        to=tiers[0][0],
+        units_submitted=submitted,
+        units_ok=ok,
+        units_failed=failed,
+        units_refused=refused,
+        bytes=nbytes,
+        seconds=seconds,
     )
 
 
@@ -1419,7 +1473,7 @@ def read_engine(s: Session, tiers: Sequence) -> dict:
     """A new engine, empty regions: fill them from the tiers, readers load and verify."""
     cfg = s.cfg
     stages = []
-    readers = None
+    readers = promote = None
     try:
         stages = open_stages(s, "reader", tiers=tiers)
         fill = fill_stages(s, stages, tiers)
@@ -1430,6 +1484,13 @@ def read_engine(s: Session, tiers: Sequence) -> dict:
             f"({fill['units_missed']} missed, {fill['units_failed']} failed) "
             f"({fill['seconds']:.1f} s)"
         )
+        if s.stores.promote:
+            promote = promote_stages(s, stages, tiers)
+            s.progress(
+                f"promote: {promote['units_ok']}/{promote['units_submitted']} units from "
+                f"{tiers[-1][0]} written to {tiers[0][0]} {tiers[0][1]} "
+                f"({promote['units_failed']} failed, {promote['units_refused']} refused)"
+            )
         if loaded:
             pages = [stage.manager.acquire(s.hashes[:loaded]) for stage in stages]
 
@@ -1447,7 +1508,7 @@ def read_engine(s: Session, tiers: Sequence) -> dict:
             close_stages(stages, s.timeout_s)
         finally:
             close_tiers(s, tiers, "read")
-    return dict(readers=readers, loaded=loaded, fill=fill)
+    return dict(readers=readers, loaded=loaded, fill=fill, promote=promote)
 
 
 def run_persistent(s: Session) -> dict:
@@ -1693,6 +1754,7 @@ def summarize(s: Session, result: dict) -> dict:
             stores=[redact(x) for x in s.stores.locations],
             persist=result.get("persist"),
             fill=result.get("fill"),
+            promote=result.get("promote"),
             stores_failed=sum(t["stores_failed"] for t in tiers),
             tiers=tiers,
         )

@@ -3,14 +3,14 @@
 An engine without vLLM keeps recently used canonical pages in a shared CPU
 region (:class:`~.shared_region.SharedOffloadRegion`, bookkept by a
 :class:`~.page_manager.PageManager`) and, behind it, any number of
-*persistent tiers*: a :class:`~.store.FileStore` directory, later a Redis
-server. :class:`StageCache` is the scheduler's view of both for ONE pipeline
-stage (the layers ``[first, end)`` it owns; see :func:`pp_layer_range`):
+*persistent tiers*: a :class:`~.store.FileStore` directory, a
+:class:`~.store.RedisStore` shared by many nodes. :class:`StageCache` is the
+scheduler's view of both for ONE pipeline stage (the layers ``[first, end)`` it owns; see :func:`pp_layer_range`):
 
 ``lookup(hashes)``
     How many leading blocks are ready in the region, and how many more the
-    tiers can supply (any tier, block by block: a prefix may be half in files,
-    half in Redis).
+    tiers can supply (nearest tier first, run by run: a prefix may be half in
+    files, half in Redis).
 ``fetch(hashes)``
     For the blocks only the tiers hold: allocate region pages *filled by a
     tier* (``PageManager.allocate(..., filler=)``) and submit the tier loads
@@ -22,6 +22,9 @@ stage (the layers ``[first, end)`` it owns; see :func:`pp_layer_range`):
     region row (the stage's unit) to every tier (but the one it came from).
     The page is pinned until its stores finish, so it is not evicted and
     reused while a tier reads it.
+``promote(hashes)``
+    For blocks just filled from a farther tier, the same stores into the
+    nearer tiers only (what came from Redis is kept in the local files).
 ``poll()``
     Never blocks: collects finished tier jobs, turns fills ready or free,
     releases the pins of finished stores, counts everything.
@@ -174,7 +177,8 @@ class PersistResult:
     refused : int
         Stores refused by a tier (queue full, closed, failing).
     skipped : int
-        Stores not submitted because the block came from that very tier.
+        Stores not submitted because the block came from that very tier (for
+        :meth:`StageCache.promote`: per block, the tiers not nearer than its source).
     """
 
     submitted: int
@@ -433,6 +437,8 @@ class StageCache:
         in_region = self.manager.lookup(hashes)
         position, sources = in_region, []
         while position < len(hashes) and self.tiers:
+            # Nearest tier first (local files before a shared server): a farther tier is
+            # asked only where every nearer one stops.
             best, best_tier = 0, -1
             rest = hashes[position:]
             for t, tier in enumerate(self.tiers):
@@ -441,8 +447,9 @@ class StageCache:
                 except Exception as error:  # a failing tier holds nothing; the engine goes on
                     self._failed_call(t, error)
                     continue
-                if found > best:
+                if found > 0:
                     best, best_tier = found, t
+                    break
             if best == 0:
                 break
             best = min(best, len(rest))
@@ -589,6 +596,23 @@ class StageCache:
             The stores finish in later :meth:`poll` calls; until then each
             page is pinned (not evicted, not reused).
         """
+        return self._write_through(hashes, positions, nearer_only=False)
+
+    def promote(
+        self, hashes: Sequence[Hashable], positions: Sequence[int] | None = None
+    ) -> PersistResult:
+        """Copy blocks filled from a farther tier into the nearer ones (e.g. Redis hits into
+        the local files), so that the next restart of this node finds them without the network.
+
+        Only pages filled by :meth:`fetch` from tier ``t`` (and not reused since) are
+        stored, and only to tiers ``0 .. t-1``; every other block counts as ``skipped``
+        (nothing to promote) or ``not_ready``. Parameters and result as :meth:`persist`.
+        """
+        return self._write_through(hashes, positions, nearer_only=True)
+
+    def _write_through(
+        self, hashes: Sequence[Hashable], positions: Sequence[int] | None, *, nearer_only: bool
+    ) -> PersistResult:
         self._check_open()
         hashes = self._hashes(hashes)
         if positions is None:
@@ -610,10 +634,14 @@ class StageCache:
                 continue
             generation = self.manager.generation(page)
             origin = self._origin.get(page)
-            for t in range(len(self.tiers)):
-                if origin == (generation, t):
-                    skipped += 1  # it came from there
-                    continue
+            source = origin[1] if origin is not None and origin[0] == generation else None
+            if nearer_only:
+                targets = range(source if source is not None else 0)
+                skipped += len(self.tiers) - len(targets)
+            else:
+                targets = [t for t in range(len(self.tiers)) if t != source]
+                skipped += source is not None  # it came from there
+            for t in targets:
                 try:
                     self.manager.acquire([block_hash])  # pinned while the tier reads the row
                 except PageStateError:
