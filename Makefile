@@ -46,9 +46,12 @@ test: install vllm-wheel redis-server
 
 # TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present);
 # then a restart through the file store: a TP=4 engine persists a prompt and exits, a new
-# TP=2 x PP=2 engine (empty regions) reads every page back from the files and verifies it.
+# TP=2 x PP=2 engine (empty regions) reads every page back from the files and verifies it;
+# then two nodes sharing through one Redis server (a throwaway redis-server on a unix socket,
+# when redis-server is installed: `make redis-server`): a TP=8 engine persists, a TP=2 engine
+# with its own directory reads every page from the server and keeps a copy in its files.
 # DEMO_STORE: the store directory (default: a fresh temporary one, removed afterwards; a
-# directory you name is kept). DEMO_STORE_ARGS: flags both restart phases share.
+# directory you name is kept). DEMO_STORE_ARGS: flags every persistent phase shares.
 DEMO_STORE ?=
 DEMO_STORE_ARGS ?=
 demo: install
@@ -63,14 +66,30 @@ demo: install
 	$(VPY) -m canonical_ops demo --store "$$store" --phase write --writer-tp 4 $(DEMO_STORE_ARGS); \
 	echo; echo "== a new TP=2 x PP=2 engine, empty regions, reads it from the files:"; \
 	$(VPY) -m canonical_ops demo --store "$$store" --phase read --reader-tp 2 --reader-pp 2 $(DEMO_STORE_ARGS)
+	@set -e; if ! command -v redis-server >/dev/null 2>&1; then \
+	  echo; echo "== Redis part skipped: redis-server is not installed (make redis-server)"; exit 0; fi; \
+	work=$$(mktemp -d "$${TMPDIR:-/tmp}/canonical-kv-redis.XXXXXX"); \
+	redis-server --port 0 --unixsocket "$$work/redis.sock" --save '' --appendonly no \
+	  --dir "$$work" --logfile "$$work/redis.log" & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server 2>/dev/null; rm -rf "$$work"' EXIT; \
+	for i in $$(seq 100); do [ -S "$$work/redis.sock" ] && break; sleep 0.1; done; \
+	mkdir "$$work/node-b"; \
+	echo; echo "== two nodes share through one Redis server (unix://$$work/redis.sock)"; \
+	echo "== node A, a TP=8 engine, persists the prompt to the server and exits:"; \
+	$(VPY) -m canonical_ops demo --store "unix://$$work/redis.sock" --phase write --writer-tp 8 $(DEMO_STORE_ARGS); \
+	echo; echo "== node B, a TP=2 engine with its own directory: region -> files -> Redis:"; \
+	$(VPY) -m canonical_ops demo --store "$$work/node-b" --store "unix://$$work/redis.sock" \
+	  --phase read --reader-tp 2 $(DEMO_STORE_ARGS)
 
 # Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots;
-# then the file tier vs plain file I/O of the same bytes (BENCH_STORE_ARGS, e.g. --dir /mnt/nvme).
+# then the file tier vs plain file I/O of the same bytes (BENCH_STORE_ARGS, e.g. --dir /mnt/nvme);
+# then the Redis tier vs redis-py's own pipelined SET/GET against one throwaway redis-server.
 BENCH_OUT ?= bench/results
-bench: install
+bench: install redis-server
 	$(VPY) bench/bench_transfer.py --quick --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(VPY) bench/bench_layouts.py
 	$(VPY) bench/bench_store.py --quick --out $(BENCH_OUT) $(BENCH_STORE_ARGS)
+	$(VPY) bench/bench_redis.py --quick --out $(BENCH_OUT) $(BENCH_REDIS_ARGS)
 
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .

@@ -1,9 +1,9 @@
-"""Persistent, checksummed page store: canonical units (region rows) in files.
+"""Persistent, checksummed page store: canonical units (region rows) in files and on Redis / Valkey.
 
 A *unit* is one block's canonical pages of a contiguous layer range, exactly a
 region row of the pipeline stage that owns those layers. Units are tagged by a
 :class:`StoreNamespace` (model, format, every layer's geometry; not TP/PP/CP of
-a certified model), encoded once (:mod:`.encoding`, shared with future tiers),
+a certified model), encoded once (:mod:`.encoding`, the same bytes in every tier),
 and moved by I/O jobs of a bounded :class:`JobPool`. :class:`FileStore` keeps
 them in files under a directory shared by processes and engines;
 :class:`RedisStore` keeps the same units on a Redis / Valkey server or cluster

@@ -1,4 +1,4 @@
-"""A bounded I/O job pool shared by the persistent tiers (files, later Redis).
+"""A bounded I/O job pool shared by the persistent tiers (files, Redis).
 
 The engine's thread submits and polls; a fixed set of worker threads does the
 I/O. The queue is bounded and :meth:`JobPool.submit` never blocks: when the
