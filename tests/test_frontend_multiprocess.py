@@ -8,6 +8,7 @@ reported it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import uuid
@@ -150,6 +151,89 @@ def test_dcp2_to_dcp1(ctx_mp, attention: str) -> None:
     # 2 KV heads at TP 4 replicate each head twice: DCP 2 splits tokens inside the replicas.
     heads = 1 if attention == "mla" else 2
     cross_topology(ctx_mp, Model(attention, heads, "split", "NHD"), Topo(4, dcp=2), Topo(2))
+
+
+def through_files(ctx_mp, root, model: Model, writer: Topo, reader: Topo) -> None:
+    """A writer engine persists its region rows to a FileStore and closes; a reader engine of
+    another topology (own region, own manager, own store object) fills its region from the
+    files and its ranks check every byte against the first-principles truth."""
+    from canonical_ops.frontend import FileStore, ModelIdentity, StageCache, StoreNamespace
+
+    model = dataclasses.replace(model, pages_per_row=1)  # a region row is one unit
+    hashes = [f"h{i}".encode() for i in range(model.num_rows)]
+    layers = (0, len(model.layers))
+    page_ids = None
+    for role, topo, salt in (("writer", writer, 1), ("reader", reader, 2)):
+        groups = group_mappings(model, topo)
+        ctx = RankContext(topo.tp, model.total_heads, 0, topo.dcp, topo.pcp, topo.interleave)
+        namespace = StoreNamespace.from_specs(ModelIdentity("test/model"), model.specs(topo), ctx)
+        manager = PageManager.from_mappings(model.num_rows, groups)
+        region_args = dict(
+            engine_id=f"test-{uuid.uuid4().hex}",
+            num_rows=model.num_rows,
+            row_bytes=canonical_row_bytes([g[0] for g in groups]),
+            world_size=1 + topo.ranks,
+        )
+        assert region_args["row_bytes"] == namespace.layer_bytes(*layers)
+        with (
+            FileStore(root, namespace, fsync=False) as files,
+            SharedOffloadRegion(**region_args, rank=0) as region,
+        ):
+            cache = StageCache(manager, region, layers, namespace, [files])
+            if role == "writer":
+                page_ids = manager.allocate(hashes)
+                generations = [manager.generation(page) for page in page_ids]
+            else:
+                found = cache.lookup(hashes)
+                assert (found.in_region, found.from_tiers) == (0, len(hashes))
+                assert cache.fetch(hashes, found).submitted == len(hashes)
+                cache.drain(60)
+                assert manager.lookup(hashes) == len(hashes)  # every unit verified
+                # the same pages as the writer's: the truth is keyed by page
+                assert [manager.page_of(h) for h in hashes] == page_ids
+            results = run_ranks(
+                ctx_mp,
+                [
+                    dict(
+                        role=role,
+                        model=model,
+                        topo=topo,
+                        rank=r,
+                        page_ids=page_ids,
+                        salt=salt,
+                        region=dict(region_args, rank=1 + r),
+                    )
+                    for r in range(topo.ranks)
+                ],
+            )
+            if role == "writer":
+                for result in results:
+                    for page, generation in zip(page_ids, generations):
+                        if result["rank"] in manager.writer_ranks(page):
+                            manager.complete_store(page, result["rank"], generation=generation)
+                assert manager.lookup(hashes) == len(hashes)
+                assert cache.persist(hashes).submitted == len(hashes)
+                cache.drain(60)
+                assert files.lookup(hashes, *layers) == len(hashes)
+            else:
+                for result in results:
+                    assert result["mismatches"] == [], result
+            cache.close(60)
+
+
+@pytest.mark.parametrize(
+    ("attention", "writer", "reader"),
+    [
+        ("full", Topo(4, dcp=2), Topo(2)),
+        ("mla", Topo(4, dcp=2), Topo(1)),
+        ("full", Topo(2), Topo(2, pcp=2)),
+        ("mla", Topo(2, pcp=2), Topo(4, dcp=4)),
+    ],
+    ids=["gqa-tp4dcp2-to-tp2", "mla-tp4dcp2-to-tp1", "gqa-tp2-to-tp2pcp2", "mla-pcp2-to-dcp4"],
+)
+def test_dcp_and_pcp_restart_through_files(ctx_mp, tmp_path, attention, writer, reader) -> None:
+    heads = 1 if attention == "mla" else 2
+    through_files(ctx_mp, tmp_path, Model(attention, heads, "split", "NHD"), writer, reader)
 
 
 def test_non_writer_store_changes_nothing() -> None:
