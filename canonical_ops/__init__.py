@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
+from .frontend import __all__ as _frontend_names
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._extension import BUILT_WITH_CUDA
@@ -49,7 +50,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
     from .plan import default_area_offsets, make_plan
 
-# Public name -> the module defining it (relative to this package).
+# Public name -> the module defining it (relative to this package): the ops core's own,
+# then every public name of the frontend (its own lazy package: importing it is light).
 _EXPORTS = {
     "BUILT_WITH_CUDA": "._extension",
     "check_ids": ".checks",
@@ -61,27 +63,9 @@ _EXPORTS = {
     "store": ".ops",
     "default_area_offsets": ".plan",
     "make_plan": ".plan",
-    "PageCapacityError": ".frontend.page_manager",
-    "PageInfo": ".frontend.page_manager",
-    "PageManager": ".frontend.page_manager",
-    "PageState": ".frontend.page_manager",
-    "PageStateError": ".frontend.page_manager",
-    "RegionClosedError": ".frontend.shared_region",
-    "RegionSpaceError": ".frontend.shared_region",
-    "SharedOffloadRegion": ".frontend.shared_region",
-    "region_path": ".frontend.shared_region",
-    "OffloadWorker": ".frontend.worker",
-    "TransferJob": ".frontend.worker",
-    "canonical_row_bytes": ".frontend.worker",
-    "group_layer_mappings": ".frontend.worker",
-    "StageCache": ".frontend.tiers",
-    "pp_layer_range": ".frontend.tiers",
-    "pp_layer_ranges": ".frontend.tiers",
-    "FileStore": ".frontend.store",
-    "RedisStore": ".frontend.store",
-    "StoreNamespace": ".frontend.store",
-    "ModelIdentity": ".frontend.store",
 }
+
+_EXPORTS.update(dict.fromkeys(_frontend_names, ".frontend"))
 
 __all__ = [
     "BUILT_WITH_CUDA",

@@ -68,5 +68,8 @@ def test_reexports_are_the_defining_modules_objects():
             assert value is getattr(homes[0], name), name
     for name in frontend.__all__:
         assert getattr(frontend, name) is getattr(canonical_ops, name), name
+    # every public name of the frontend is public at the top too, and every listed name resolves
+    assert set(frontend.__all__) <= set(canonical_ops.__all__)
+    assert set(dir(canonical_ops)) >= set(canonical_ops.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         canonical_ops.nope  # noqa: B018

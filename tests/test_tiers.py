@@ -452,3 +452,18 @@ def test_a_full_disk_fails_stores_cleanly_and_the_engine_keeps_serving(tmp_path)
     assert result["served"] == 4 and result["copied"] == [1, 2, 3, 4]
     assert result["again"] == 4 and result["stores_failed"] == 8 == result["files_failed"]
     assert result["refcounts"] == [0] * 4 and result["tmp"] == []
+
+
+def test_both_stores_are_page_tiers(tmp_path):
+    from canonical_ops.frontend.store import PageTier, RedisStore
+
+    with FileStore(tmp_path, NS, fsync=False) as files:
+        assert isinstance(files, PageTier)
+    assert all(
+        callable(getattr(RedisStore, name, None))
+        for name in ("lookup", "submit_store", "store", "submit_load", "load", "metrics")
+    )
+    assert all(
+        callable(getattr(RedisStore, name, None)) for name in ("submit_stores", "submit_loads")
+    )
+    assert not isinstance(object(), PageTier)

@@ -39,7 +39,8 @@ block is simply not persisted / not fetched.
 
 Tiers
 -----
-Anything with :class:`~.store.FileStore`'s shape: ``namespace``,
+:class:`~.store.tier.PageTier` (a :class:`~.store.FileStore`, a
+:class:`~.store.RedisStore`, or anything shaped like them): ``namespace``,
 ``lookup(keys, first, end) -> int``, ``submit_load(key, first, end,
 destination) -> IOJob``, ``submit_store(key, first, payload, position, *,
 end=None) -> IOJob``, ``wait(job, timeout)``, ``metrics()``. A tier that also

@@ -42,6 +42,7 @@ from .redis_store import (
     RedisStoreMetrics,
     StoreItem,
 )
+from .tier import PageTier, TierBase
 
 __all__ = [
     "CorruptUnit",
@@ -53,6 +54,7 @@ __all__ = [
     "LayerGeometry",
     "LoadItem",
     "ModelIdentity",
+    "PageTier",
     "PayloadVerifier",
     "PoolStats",
     "RedisStore",
@@ -62,6 +64,7 @@ __all__ = [
     "StoreMetrics",
     "StoreNamespace",
     "StoreRootError",
+    "TierBase",
     "UnitHeader",
     "check_unit_file",
     "decode_and_verify",

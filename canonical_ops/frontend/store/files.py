@@ -61,7 +61,6 @@ import os
 import re
 import secrets
 import stat
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +85,7 @@ from .encoding import (
 )
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
+from .tier import TierBase
 
 __all__ = [
     "NAMESPACE_FILE",
@@ -582,7 +582,7 @@ def gc_directories(
 # ---------------------------------------------------------------------- the store
 
 
-class FileStore:
+class FileStore(TierBase):
     """Canonical units in files under ``root``, for one :class:`StoreNamespace`.
 
     Parameters
@@ -647,37 +647,25 @@ class FileStore:
         self._granularity_ns = max(1, int(granularity * _NS_PER_S))
         self.stale_tmp_s = _check_seconds("stale_tmp_s", stale_tmp_s)
         self.quarantine_limit = check_int("quarantine_limit", quarantine_limit, minimum=0)
-        if pool is not None:
-            if not isinstance(pool, JobPool):
-                raise TypeError(f"pool: expected a JobPool, got {type(pool).__name__}")
-            if threads is not None or queue_depth is not None:
-                raise ValueError(
-                    "threads, queue_depth: expected None with a shared pool (it has its own)"
-                )
-        threads = 4 if threads is None else check_int("threads", threads, minimum=1)
-        queue_depth = (
-            64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
-        )
+        threads, queue_depth = self._pool_args(pool, threads, queue_depth)
         self.namespace = namespace
         self.root = os.path.abspath(os.fspath(root))
         self.directory = os.path.join(self.root, namespace.hex)
         self._tmp_dir = os.path.join(self.directory, TMP_DIR)
         self._quarantine_dir = os.path.join(self.directory, QUARANTINE_DIR)
-        self._lock = threading.Lock()
+        self._init_base()
         self._lru: OrderedDict[tuple[str, int, int], _Entry] = OrderedDict()
         self._by_key: dict[str, dict[tuple[int, int], _Entry]] = {}
         self._bytes = 0
         self._reserved = 0
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._closed = False
         pidns, pid = _pid_namespace(), os.getpid()
         self._tmp_prefix = f"{pidns}-{pid}-{_proc_start_ticks(pid) or 0}-"
         self._check_root()
         self._prepare_directory()
         self._rescan()
         # The pool last: a failed start-up leaves no threads behind.
-        self._own_pool = pool is None
-        self.pool = pool if pool is not None else JobPool(threads, queue_depth, name="ckv-files")
+        self._attach_pool(pool, threads, queue_depth, "ckv-files")
 
     # ------------------------------------------------------------------ start-up
 
@@ -857,30 +845,13 @@ class FileStore:
 
     # ------------------------------------------------------------------ lookup
 
-    def _range(self, first: Any, end: Any) -> tuple[int, int]:
-        self.namespace.layer_bytes(first, end)  # validates
-        return int(first), int(end)
-
-    @staticmethod
-    def _keys(keys: Any) -> list[bytes]:
-        if isinstance(keys, (str, bytes, bytearray, memoryview, int, np.integer)):
-            raise TypeError("keys: expected a sequence of block keys, got a single key; wrap it")
-        return [normalize_key(k) for k in keys]
-
     def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
-        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are on disk.
+        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are on disk
+        (:meth:`.PageTier.lookup`).
 
-        Any mix of stored layer ranges that covers ``[first, end)`` counts
-        (units of other pipeline splits). The prefix found is touched, its
-        tail first, so its head is the most recent. Nothing is verified here:
-        a load verifies.
-
-        Parameters
-        ----------
-        keys : sequence of bytes | str | int
-            Block keys of consecutive blocks, first block first.
-        first, end : int
-            Layer range the caller needs.
+        The prefix found is touched, its tail first, so its head is the most
+        recent. A key not in the index is looked for on disk (units of other
+        processes).
         """
         first, end = self._range(first, end)
         digests = [hashlib.sha256(k).hexdigest()[:32] for k in self._keys(keys)]
@@ -909,29 +880,7 @@ class FileStore:
 
     def _store_job(self, key: Any, first: Any, payload: Any, position: Any, end: Any) -> IOJob:
         self._check_open()
-        raw_key = normalize_key(key)
-        view = as_byte_view(payload, name="payload")
-        if end is None:
-            ends = self.namespace.unit_ends(first, len(view))
-            if len(ends) != 1:
-                raise ValueError(
-                    f"payload: {len(view)} bytes match no layer range starting at layer {first}"
-                    if not ends
-                    else f"end: {len(view)} bytes from layer {first} end at any of {ends} "
-                    "(empty layers); pass end"
-                )
-            end = ends[0]
-        first, end = self._range(first, end)
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"payload: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
-            )
-        if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)):
-            raise TypeError(f"position: expected an int >= 0, got {position!r}")
-        if not 0 <= position < 1 << 63:
-            raise ValueError(f"position: expected an int in [0, 2**63), got {position!r}")
-        position = int(position)
+        raw_key, first, end, position, view = self._store_args(key, first, payload, position, end)
         info = {"key": raw_key, "first": first, "end": end, "position": position}
         return self.pool.make_job(
             "store", lambda: self._store_unit(raw_key, first, end, position, view), info
@@ -940,23 +889,7 @@ class FileStore:
     def submit_store(
         self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
     ) -> IOJob:
-        """Queue the store of one unit; never blocks.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-            Block key.
-        first : int
-            First layer of ``payload``.
-        payload : buffer
-            uint8, the canonical pages of layers ``[first, end)`` in layer
-            order (a region row): ``namespace.layer_bytes(first, end)`` bytes.
-            It must not change until the job is finished.
-        position : int
-            The block's index in its sequence (for tail-first eviction).
-        end : int, optional
-            One past the last layer; inferred from the payload length (needed
-            only when empty layers make it ambiguous).
+        """Queue the store of one unit; never blocks (:meth:`.PageTier.submit_store`).
 
         Returns
         -------
@@ -1099,30 +1032,13 @@ class FileStore:
 
     def _load_job(self, key: Any, first: Any, end: Any, destination: Any) -> IOJob:
         self._check_open()
-        raw_key = normalize_key(key)
-        first, end = self._range(first, end)
-        view = as_byte_view(destination, writable=True, name="destination")
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"destination: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
-            )
+        raw_key, first, end, view = self._load_args(key, first, end, destination)
         info = {"key": raw_key, "first": first, "end": end}
         return self.pool.make_job("load", lambda: self._load_unit(raw_key, first, end, view), info)
 
     def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-        first, end : int
-            Layer range; any stored split that covers it will do.
-        destination : writable buffer
-            uint8, exactly ``namespace.layer_bytes(first, end)`` bytes (a region
-            row or a slice of one). It holds the layers in order only when the
-            job finishes ``"ok"``; after any other status its bytes are
-            undefined and must not be reported loaded.
+        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``
+        (:meth:`.PageTier.submit_load`).
 
         Returns
         -------
@@ -1329,22 +1245,6 @@ class FileStore:
                 **self._counts | {"units_on_disk": len(self._lru), "bytes_on_disk": self._bytes}
             )
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def poll(self) -> list[IOJob]:
-        """Jobs finished since the last poll (of the pool: every tier's if it is shared)."""
-        return self.pool.poll()
-
-    def wait(self, job: IOJob, timeout: float | None = None) -> IOJob:
-        """Block until ``job`` is finished."""
-        return self.pool.wait(job, timeout)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("FileStore is closed")
-
     def close(self, *, cancel: bool = False) -> None:
         """Finish (or cancel) queued jobs of an owned pool; no new jobs afterwards."""
         self._closed = True
@@ -1353,9 +1253,6 @@ class FileStore:
 
     def __enter__(self) -> FileStore:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -127,7 +127,6 @@ from .encoding import (
     MAX_HEADER_BYTES,
     CorruptUnit,
     PayloadVerifier,
-    as_byte_view,
     decode_and_verify,
     decode_header,
     encode_header,
@@ -137,6 +136,7 @@ from .encoding import (
 from .files import key_digest
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
+from .tier import TierBase
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
@@ -581,7 +581,7 @@ def _chain_errors(error: BaseException) -> list[BaseException]:
 # ---------------------------------------------------------------------- the store
 
 
-class RedisStore:
+class RedisStore(TierBase):
     """Canonical units on a Redis / Valkey server or cluster, for one :class:`StoreNamespace`.
 
     Parameters
@@ -725,24 +725,14 @@ class RedisStore:
             raise ValueError(
                 f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}"
             )
-        if pool is not None:
-            if not isinstance(pool, JobPool):
-                raise TypeError(f"pool: expected a JobPool, got {type(pool).__name__}")
-            if threads is not None or queue_depth is not None:
-                raise ValueError(
-                    "threads, queue_depth: expected None with a shared pool (it has its own)"
-                )
-        threads = 4 if threads is None else check_int("threads", threads, minimum=1)
-        queue_depth = (
-            64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
-        )
+        threads, queue_depth = self._pool_args(pool, threads, queue_depth)
 
         self._options = self._client_options(
             url, scheme, username, password, db, ssl_ca_certs, ssl_certfile, ssl_keyfile,
             client_kwargs,
         )  # fmt: skip
         self._key_base = f"{key_prefix}:v{FORMAT_VERSION}:{{{namespace.hex[:32]}:"
-        self._lock = threading.Lock()
+        self._init_base()
         self._counts: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
         self._counts["lookup_seconds_total"] = 0.0
         self._counts["lookup_seconds_max"] = 0.0
@@ -755,15 +745,13 @@ class RedisStore:
         self._known_ranges: dict[bytes, tuple[int, int]] = {}
         self._client: Any = None
         self._lookup_client: Any = None
-        self._closed = False
         try:
             self._start(bool(require_server))
         except BaseException:
             self._close_clients()
             raise
         # The pool last: a failed start-up leaves no threads behind.
-        self._own_pool = pool is None
-        self.pool = pool if pool is not None else JobPool(threads, queue_depth, name="ckv-redis")
+        self._attach_pool(pool, threads, queue_depth, "ckv-redis")
 
     # ------------------------------------------------------------------ set-up
 
@@ -1047,20 +1035,6 @@ class RedisStore:
 
     # ------------------------------------------------------------------ argument checks
 
-    def _range(self, first: Any, end: Any) -> tuple[int, int]:
-        self.namespace.layer_bytes(first, end)  # validates
-        return int(first), int(end)
-
-    @staticmethod
-    def _keys(keys: Any) -> list[bytes]:
-        if isinstance(keys, (str, bytes, bytearray, memoryview, int, np.integer)):
-            raise TypeError("keys: expected a sequence of block keys, got a single key; wrap it")
-        return [normalize_key(k) for k in keys]
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("RedisStore is closed")
-
     def _store_req(self, item: Any, name: str) -> _StoreReq:
         if not isinstance(item, StoreItem):
             if not isinstance(item, (tuple, list)) or not 4 <= len(item) <= 5:
@@ -1069,28 +1043,9 @@ class RedisStore:
                     f"got {type(item).__name__}"
                 )
             item = StoreItem(*item)
-        raw_key = normalize_key(item.key)
-        view = as_byte_view(item.payload, name=f"{name}.payload")
-        first, end = item.first, item.end
-        if end is None:
-            ends = self.namespace.unit_ends(first, len(view))
-            if len(ends) != 1:
-                raise ValueError(
-                    f"{name}.payload: {len(view)} bytes match no layer range starting at layer "
-                    f"{first}"
-                    if not ends
-                    else f"{name}.end: {len(view)} bytes from layer {first} end at any of "
-                    f"{ends} (empty layers); pass end"
-                )
-            end = ends[0]
-        first, end = self._range(first, end)
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"{name}.payload: expected {expected} bytes (layers [{first}, {end})), "
-                f"got {len(view)}"
-            )
-        position = check_int(f"{name}.position", item.position, minimum=0, maximum=(1 << 63) - 1)
+        raw_key, first, end, position, view = self._store_args(
+            item.key, item.first, item.payload, item.position, item.end, name
+        )
         return _StoreReq(raw_key, first, end, position, view)
 
     def _load_req(self, item: Any, name: str) -> _LoadReq:
@@ -1101,35 +1056,21 @@ class RedisStore:
                     f"got {type(item).__name__}"
                 )
             item = LoadItem(*item)
-        raw_key = normalize_key(item.key)
-        first, end = self._range(item.first, item.end)
-        view = as_byte_view(item.destination, writable=True, name=f"{name}.destination")
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"{name}.destination: expected {expected} bytes (layers [{first}, {end})), "
-                f"got {len(view)}"
-            )
+        raw_key, first, end, view = self._load_args(
+            item.key, item.first, item.end, item.destination, name
+        )
         return _LoadReq(raw_key, first, end, view)
 
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
-        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are stored.
+        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are stored
+        (:meth:`.PageTier.lookup`).
 
         One pipelined round trip for the whole batch (the keys' indexes), on
-        the caller's thread, bounded by ``lookup_timeout_s`` (no retries).
-        Any mix of stored layer ranges that covers ``[first, end)`` counts
-        (units of other pipeline splits). Nothing is verified here: a load
-        verifies, and a unit evicted since is a miss then. Server down, slow
-        or skipped: 0 (counted), never an exception.
-
-        Parameters
-        ----------
-        keys : sequence of bytes | str | int
-            Block keys of consecutive blocks, first block first.
-        first, end : int
-            Layer range the caller needs.
+        the caller's thread, bounded by ``lookup_timeout_s`` (no retries). A
+        unit evicted since is a miss at load time. Server down, slow or
+        skipped: 0 (counted), never an exception.
         """
         self._check_open()
         first, end = self._range(first, end)
@@ -1209,22 +1150,7 @@ class RedisStore:
     def submit_store(
         self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
     ) -> IOJob:
-        """Queue the store of one unit; never blocks.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-            Block key.
-        first : int
-            First layer of ``payload``.
-        payload : buffer
-            uint8, the canonical pages of layers ``[first, end)`` in layer
-            order (a region row): ``namespace.layer_bytes(first, end)`` bytes.
-            It must not change until the job is finished.
-        position : int
-            The block's index in its sequence (kept in the unit's header).
-        end : int, optional
-            One past the last layer; inferred from the payload length.
+        """Queue the store of one unit; never blocks (:meth:`.PageTier.submit_store`).
 
         Returns
         -------
@@ -1470,17 +1396,8 @@ class RedisStore:
         return self.pool.make_job("loads", lambda: self._batch(self._load_units(reqs)), info)
 
     def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-        first, end : int
-            Layer range; any stored split that covers it will do.
-        destination : writable buffer
-            uint8, exactly ``namespace.layer_bytes(first, end)`` bytes. It
-            holds the layers (verified) only when the job finishes ``"ok"``;
-            after any other status its bytes are undefined and must not be used.
+        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``
+        (:meth:`.PageTier.submit_load`).
 
         Returns
         -------
@@ -1736,18 +1653,6 @@ class RedisStore:
         """False while the circuit breaker skips the server."""
         return self._breaker.closed
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
-    def poll(self) -> list[IOJob]:
-        """Jobs finished since the last poll (of the pool: every tier's if it is shared)."""
-        return self.pool.poll()
-
-    def wait(self, job: IOJob, timeout: float | None = None) -> IOJob:
-        """Block until ``job`` is finished."""
-        return self.pool.wait(job, timeout)
-
     def close(self, *, cancel: bool = False) -> None:
         """Finish (or cancel) queued jobs of an owned pool, then close the connections."""
         if self._closed:
@@ -1768,9 +1673,6 @@ class RedisStore:
 
     def __enter__(self) -> RedisStore:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
