@@ -1418,10 +1418,7 @@ def promote_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict
     """Two tiers: store what the fill got from Redis into the directory (waits for it)."""
     start = time.perf_counter()
     before = {id(stage): stage.cache.metrics().tiers for stage in stages}
-    submitted = skipped = 0
-    for stage in stages:
-        result = stage.cache.promote(s.hashes)
-        submitted, skipped = submitted + result.submitted, skipped + result.skipped
+    submitted = sum(stage.cache.promote(s.hashes).submitted for stage in stages)
     for stage in stages:
         stage.cache.drain(s.timeout_s)
     seconds = time.perf_counter() - start

@@ -5,7 +5,8 @@ region (:class:`~.shared_region.SharedOffloadRegion`, bookkept by a
 :class:`~.page_manager.PageManager`) and, behind it, any number of
 *persistent tiers*: a :class:`~.store.FileStore` directory, a
 :class:`~.store.RedisStore` shared by many nodes. :class:`StageCache` is the
-scheduler's view of both for ONE pipeline stage (the layers ``[first, end)`` it owns; see :func:`pp_layer_range`):
+scheduler's view of both for ONE pipeline stage (the layers ``[first, end)``
+it owns; see :func:`pp_layer_range`):
 
 ``lookup(hashes)``
     How many leading blocks are ready in the region, and how many more the
@@ -440,7 +441,7 @@ class StageCache:
         while position < len(hashes) and self.tiers:
             # Nearest tier first (local files before a shared server): a farther tier is
             # asked only where every nearer one stops.
-            best, best_tier = 0, -1
+            run, source = 0, -1
             rest = hashes[position:]
             for t, tier in enumerate(self.tiers):
                 try:
@@ -449,14 +450,13 @@ class StageCache:
                     self._failed_call(t, error)
                     continue
                 if found > 0:
-                    best, best_tier = found, t
+                    run, source = min(found, len(rest)), t
                     break
-            if best == 0:
+            if run == 0:
                 break
-            best = min(best, len(rest))
-            self._counts[best_tier]["lookup_hit_blocks"] += best
-            sources += [best_tier] * best
-            position += best
+            self._counts[source]["lookup_hit_blocks"] += run
+            sources += [source] * run
+            position += run
         self._lookup["blocks"] += len(hashes)
         self._lookup["region"] += in_region
         self._lookup["tiers"] += len(sources)
