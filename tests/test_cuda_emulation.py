@@ -36,6 +36,7 @@ from helpers.ops import (
     Case,
     LayerConfig,
     build_setup,
+    full_and_mla_case,
     random_bytes,
     random_case,
     random_pairs,
@@ -472,18 +473,7 @@ def test_thread_order_does_not_matter():
 
 def _two_block_counts_setup():
     """Layer 0 with 8 blocks, layer 1 with 5: block ids 5-7 exist only in layer 0."""
-    case = Case(
-        layers=(
-            LayerConfig("full", "packed", "HND", 16, "bfloat16", 8, pad_elems=8),
-            LayerConfig("mla", "packed", "NHD", 24, "float16", 1),
-        ),
-        tp=1,
-        block_size=4,
-        num_blocks=8,
-        num_rows=3,
-        pages_per_row=2,
-        seed=801,
-    )
+    case = full_and_mla_case(num_blocks=8, seed=801)
     setup = build_setup(cuda_plan_case(case))
     setup.kv[1] = dataclasses.replace(
         setup.kv[1], base=setup.kv[1].base[:5], tensor=setup.kv[1].tensor[:5]

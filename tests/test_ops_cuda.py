@@ -21,6 +21,7 @@ from helpers.ops import (
     build_setup,
     check_store_and_load,
     family_cases,
+    full_and_mla_case,
     ids_tensor,
     random_bytes,
     random_case,
@@ -284,18 +285,7 @@ def test_one_kernel_launch_per_call(op):
 
 
 def _device_id_setup():
-    case = Case(
-        layers=(
-            LayerConfig("full", "packed", "HND", 16, "bfloat16", 8, pad_elems=8),
-            LayerConfig("mla", "packed", "NHD", 24, "float16", 1),
-        ),
-        tp=1,
-        block_size=4,
-        num_blocks=6,
-        num_rows=3,
-        pages_per_row=2,
-        seed=51,
-    )
+    case = full_and_mla_case(num_blocks=6, seed=51)
     return build_setup(case, device="cuda", pin=True)
 
 

@@ -283,6 +283,23 @@ def _total_heads_choices(attention: str, tp: int, dcp: int) -> list[int]:
     return [d for d in range(1, tp // dcp + 1) if (tp // dcp) % d == 0]
 
 
+def full_and_mla_case(num_blocks: int, seed: int) -> Case:
+    """Two small layers, full attention (HND, padded rows) then MLA: the error-path tests'
+    model, on CPU (emulated kernel) and on CUDA alike."""
+    return Case(
+        layers=(
+            LayerConfig("full", "packed", "HND", 16, "bfloat16", 8, pad_elems=8),
+            LayerConfig("mla", "packed", "NHD", 24, "float16", 1),
+        ),
+        tp=1,
+        block_size=4,
+        num_blocks=num_blocks,
+        num_rows=3,
+        pages_per_row=2,
+        seed=seed,
+    )
+
+
 def random_case(seed: int) -> Case:
     """A random case over every family, topology and tensor-geometry knob."""
     rng = np.random.default_rng(seed)
