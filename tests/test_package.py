@@ -43,6 +43,40 @@ def test_pure_python_parts_import_without_the_extension(module):
     assert result.returncode == 0, result.stderr
 
 
+def test_the_file_store_needs_no_redis_client(tmp_path):
+    """redis-py is loaded by the Redis tier only: without it the file store and StageCache
+    work, and the Redis tier is one clear ImportError (the demo: one usage line, exit 2)."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'redis':\n"
+        "            raise ModuleNotFoundError('No module named redis')\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    result = _python(
+        blocker
+        + "from canonical_ops.frontend import StageCache\n"
+        + "from canonical_ops.frontend.store import FileStore\n"
+        + "import sys; sys.path.insert(0, 'tests')\n"
+        + "from helpers.store import small_namespace\n"
+        + f"with FileStore({str(tmp_path)!r}, small_namespace(2), fsync=False) as files:\n"
+        + "    assert files.lookup([b'k'], 0, 2) == 0\n"
+        + "assert 'redis' not in sys.modules\n"
+        + "try:\n"
+        + "    from canonical_ops.frontend.store import RedisStore\n"
+        + "except ImportError:\n"
+        + "    pass\n"
+        + "else:\n"
+        + "    raise AssertionError('RedisStore imported without redis')\n"
+        + "from canonical_ops.frontend.demo import main\n"
+        + "sys.exit(main(['--preset', 'tiny', '--store', 'redis://127.0.0.1:1/0']))\n"
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "needs the redis package (pip install redis)" in result.stderr
+
+
 def test_first_op_use_loads_the_extension_as_a_module():
     result = _python(
         "import sys, canonical_ops\n"

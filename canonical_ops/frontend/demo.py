@@ -519,8 +519,12 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
                         queue_depth=queue_depth,
                     )
                 else:
-                    from .store import RedisStore
-
+                    try:
+                        from .store import RedisStore
+                    except ImportError as error:
+                        raise UsageError(
+                            f"--store {shown}: needs the redis package (pip install redis): {error}"
+                        ) from None
                     tier = RedisStore(location, namespace, queue_depth=queue_depth)
             except (OSError, ValueError, RuntimeError) as error:
                 raise UsageError(f"--store {shown}: {error}") from None

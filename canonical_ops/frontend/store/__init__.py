@@ -20,6 +20,9 @@ Quickstart
 True
 """
 
+from typing import TYPE_CHECKING
+
+from ..._lazy import lazy_exports
 from .encoding import (
     CorruptUnit,
     PayloadVerifier,
@@ -35,14 +38,26 @@ from .encoding import (
 from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
 from .jobs import IOJob, JobOutcome, JobPool, PoolStats
 from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
-from .redis_store import (
-    LoadItem,
-    RedisStore,
-    RedisStoreError,
-    RedisStoreMetrics,
-    StoreItem,
-)
 from .tier import PageTier, TierBase
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .redis_store import (
+        LoadItem,
+        RedisStore,
+        RedisStoreError,
+        RedisStoreMetrics,
+        StoreItem,
+    )
+
+# The Redis tier loads redis-py on first use only: a file store needs no Redis client.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    globals(),
+    dict.fromkeys(
+        ("LoadItem", "RedisStore", "RedisStoreError", "RedisStoreMetrics", "StoreItem"),
+        ".redis_store",
+    ),
+)
 
 __all__ = [
     "CorruptUnit",
