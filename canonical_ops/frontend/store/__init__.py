@@ -38,7 +38,7 @@ from .encoding import (
 from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
 from .jobs import IOJob, JobOutcome, JobPool, PoolStats
 from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
-from .tier import PageTier, TierBase
+from .tier import PageTier, TierBase, TierMetrics
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .redis_store import (
@@ -80,6 +80,7 @@ __all__ = [
     "StoreNamespace",
     "StoreRootError",
     "TierBase",
+    "TierMetrics",
     "UnitHeader",
     "check_unit_file",
     "decode_and_verify",

@@ -85,7 +85,7 @@ from .encoding import (
 )
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
-from .tier import TierBase
+from .tier import TierBase, TierMetrics
 
 __all__ = [
     "NAMESPACE_FILE",
@@ -249,26 +249,14 @@ def _read_all(fd: int, parts: Sequence[memoryview], offset: int) -> int:
 
 
 @dataclass(frozen=True)
-class StoreMetrics:
+class StoreMetrics(TierMetrics):
     """Counters of one :class:`FileStore` since it started (a snapshot).
 
     Attributes
     ----------
-    units_stored, bytes_stored : int
-        Units this store published (payload bytes).
-    stores_skipped : int
-        Stores not written because the unit was already on disk (or another
-        writer won the race).
+    (those of :class:`~.tier.TierMetrics`, and:)
     stores_failed : int
         Stores that failed (ENOSPC, EDQUOT, EFBIG, EIO, larger than capacity...).
-    stores_refused, loads_refused : int
-        Submissions refused by back-pressure (queue full) or after close.
-    units_loaded, bytes_loaded : int
-        Units read and verified into destinations (payload bytes copied).
-    hits, misses : int
-        Loads that did / did not fill their destination.
-    lookup_blocks, lookup_hit_blocks : int
-        Keys asked about by :meth:`FileStore.lookup`, and found.
     corrupt_detected : int
         Units that failed verification (by loads, scans or lookups).
     quarantined : int
@@ -281,19 +269,6 @@ class StoreMetrics:
         Units in this process's index, and their file bytes.
     """
 
-    units_stored: int = 0
-    bytes_stored: int = 0
-    stores_skipped: int = 0
-    stores_failed: int = 0
-    stores_refused: int = 0
-    units_loaded: int = 0
-    bytes_loaded: int = 0
-    loads_refused: int = 0
-    hits: int = 0
-    misses: int = 0
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
-    corrupt_detected: int = 0
     quarantined: int = 0
     evicted: int = 0
     bytes_evicted: int = 0

@@ -136,7 +136,7 @@ from .encoding import (
 from .files import key_digest
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
-from .tier import TierBase
+from .tier import TierBase, TierMetrics
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",
@@ -254,35 +254,26 @@ class LoadItem:
 
 
 @dataclass(frozen=True)
-class RedisStoreMetrics:
+class RedisStoreMetrics(TierMetrics):
     """Counters of one :class:`RedisStore` since it started (a snapshot).
 
     Attributes
     ----------
-    units_stored, bytes_stored : int
-        Units this store published (payload bytes).
-    stores_skipped : int
-        Stores that found the unit already there (another writer won).
+    (those of :class:`~.tier.TierMetrics`, and:)
     stores_dropped : int
         Stores not done because the server was down, slow, or skipped by the breaker.
     stores_failed : int
         Stores the server refused (e.g. ``OOM`` under ``noeviction``, ``NOPERM``).
-    stores_refused, loads_refused, lookups_refused : int
-        Jobs refused by back-pressure (queue full) or after close.
-    units_loaded, bytes_loaded : int
-        Units verified and copied, and destination bytes filled.
-    hits, misses : int
-        Loads that did / did not fill their destination.
+    lookups_refused : int
+        Lookup jobs refused by back-pressure (queue full) or after close.
     loads_unavailable : int
         Of the misses, those due to the server being down, slow or skipped.
-    lookups, lookup_blocks, lookup_hit_blocks : int
-        Lookup calls, keys asked about, keys found (prefix).
+    lookups : int
+        Lookup calls.
     lookups_unavailable : int
         Lookups answered 0 because the server was down, slow or skipped.
     lookup_seconds_total, lookup_seconds_max : float
         Wall time of lookups (mean = total / lookups).
-    corrupt_detected : int
-        Values that failed verification (each one a miss, never a load).
     stale_removed : int
         Index entries or manifests naming vanished values (evicted, expired), removed.
     values_deleted : int
@@ -299,26 +290,13 @@ class RedisStoreMetrics:
         The breaker is closed (the server is believed reachable).
     """
 
-    units_stored: int = 0
-    bytes_stored: int = 0
-    stores_skipped: int = 0
     stores_dropped: int = 0
-    stores_failed: int = 0
-    stores_refused: int = 0
-    units_loaded: int = 0
-    bytes_loaded: int = 0
-    loads_refused: int = 0
-    hits: int = 0
-    misses: int = 0
     loads_unavailable: int = 0
     lookups: int = 0
     lookups_refused: int = 0
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
     lookups_unavailable: int = 0
     lookup_seconds_total: float = 0.0
     lookup_seconds_max: float = 0.0
-    corrupt_detected: int = 0
     stale_removed: int = 0
     values_deleted: int = 0
     bytes_sent: int = 0

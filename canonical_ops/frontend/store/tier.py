@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,9 +22,48 @@ from .encoding import as_byte_view, normalize_key
 from .jobs import IOJob, JobPool
 from .namespace import StoreNamespace
 
-__all__ = ["PageTier", "TierBase"]
+__all__ = ["PageTier", "TierBase", "TierMetrics"]
 
 MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in unit headers; int64 elsewhere
+
+
+@dataclass(frozen=True)
+class TierMetrics:
+    """The counters every tier reports (a snapshot since it started); each tier adds its own.
+
+    Attributes
+    ----------
+    units_stored, bytes_stored : int
+        Units this store published (payload bytes).
+    stores_skipped : int
+        Stores that found the unit already there (another writer won: first writer wins).
+    stores_failed : int
+        Stores that failed (the tier's subclass says how).
+    stores_refused, loads_refused : int
+        Jobs refused by back-pressure (queue full) or after close.
+    units_loaded, bytes_loaded : int
+        Units read, verified and copied into destinations (payload bytes).
+    hits, misses : int
+        Loads that did / did not fill their destination.
+    lookup_blocks, lookup_hit_blocks : int
+        Keys asked about by ``lookup``, and found (the prefix).
+    corrupt_detected : int
+        Units that failed verification: each one a miss, never a load.
+    """
+
+    units_stored: int = 0
+    bytes_stored: int = 0
+    stores_skipped: int = 0
+    stores_failed: int = 0
+    stores_refused: int = 0
+    units_loaded: int = 0
+    bytes_loaded: int = 0
+    loads_refused: int = 0
+    hits: int = 0
+    misses: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    corrupt_detected: int = 0
 
 
 @runtime_checkable
@@ -118,8 +158,8 @@ class PageTier(Protocol):
         """:meth:`submit_load`, run in the calling thread; returns the finished job."""
         ...
 
-    def metrics(self) -> Any:
-        """A consistent snapshot of the tier's counters (a frozen dataclass)."""
+    def metrics(self) -> TierMetrics:
+        """A consistent snapshot of the tier's counters."""
         ...
 
     def poll(self) -> list[IOJob]:
