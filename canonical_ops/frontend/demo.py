@@ -487,7 +487,7 @@ def plan_stores(args) -> StorePlan:
         raise UsageError(
             "--store-capacity: needs --store DIR (a Redis server's capacity is its own maxmemory)"
         )
-    if args.no_promote and kinds != ["files", "redis"] and kinds != ["redis", "files"]:
+    if args.no_promote and sorted(kinds) != ["files", "redis"]:
         raise UsageError("--no-promote: needs two --store, a directory and a redis:// URL")
     # Nearest first: the local directory, then the shared server (whatever the flag order).
     ordered = sorted(zip(kinds, locations), key=lambda kl: kl[0] != "files")
@@ -1348,6 +1348,17 @@ def run_shared_memory(s: Session) -> dict:
     return dict(writers=run_w, readers=readers, ready=ready, verification=verification)
 
 
+def store_totals(stages: Sequence[Stage]) -> dict:
+    """Tier stores of the stages so far (every tier, every stage): ok, failed, refused, bytes."""
+    counters = [t for stage in stages for t in stage.cache.metrics().tiers]
+    return dict(
+        units_ok=sum(t.stores_ok for t in counters),
+        units_failed=sum(t.stores_failed for t in counters),
+        units_refused=sum(t.stores_refused for t in counters),
+        bytes=sum(t.bytes_stored for t in counters),
+    )
+
+
 def persist_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
     """Write-through of every stage's ready prompt pages to the tiers; waits for the I/O."""
     cfg = s.cfg
@@ -1358,7 +1369,8 @@ def persist_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict
     events = [event for stage in stages for event in stage.cache.drain(s.timeout_s)]
     seconds = time.perf_counter() - start
     counters = [t for stage in stages for t in stage.cache.metrics().tiers]
-    nbytes = sum(t.bytes_stored for t in counters)
+    totals = store_totals(stages)
+    nbytes = totals["bytes"]
     # One example of each kind of failure ("store failed (disk full): [Errno 28] ...").
     problems: dict[str, str] = {}
     for event in events:
@@ -1368,10 +1380,7 @@ def persist_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict
     return dict(
         units_expected=cfg.prompt_blocks * len(stages) * len(tiers),
         units_submitted=submitted,
-        units_ok=sum(t.stores_ok for t in counters),
-        units_failed=sum(t.stores_failed for t in counters),
-        units_refused=sum(t.stores_refused for t in counters),
-        bytes=nbytes,
+        **totals,
         seconds=seconds,
         gbps=nbytes / seconds / 1e9 if seconds > 0 and nbytes else None,
         # Every layer of the model, across the stages' units: what any later split can read.
@@ -1421,25 +1430,16 @@ def fill_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
 def promote_stages(s: Session, stages: Sequence[Stage], tiers: Sequence) -> dict:
     """Two tiers: store what the fill got from Redis into the directory (waits for it)."""
     start = time.perf_counter()
-    before = {id(stage): stage.cache.metrics().tiers for stage in stages}
+    before = store_totals(stages)
     submitted = sum(stage.cache.promote(s.hashes).submitted for stage in stages)
     for stage in stages:
         stage.cache.drain(s.timeout_s)
     seconds = time.perf_counter() - start
-    ok = failed = refused = nbytes = 0
-    for stage in stages:
-        for old, new in zip(before[id(stage)], stage.cache.metrics().tiers):
-            ok += new.stores_ok - old.stores_ok
-            failed += new.stores_failed - old.stores_failed
-            refused += new.stores_refused - old.stores_refused
-            nbytes += new.bytes_stored - old.bytes_stored
+    after = store_totals(stages)
     return dict(
         to=tiers[0][0],
         units_submitted=submitted,
-        units_ok=ok,
-        units_failed=failed,
-        units_refused=refused,
-        bytes=nbytes,
+        **{key: after[key] - before[key] for key in after},
         seconds=seconds,
     )
 
