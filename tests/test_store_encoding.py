@@ -9,11 +9,14 @@ import pytest
 import torch
 import xxhash
 from helpers.store import row, small_namespace
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from canonical_ops.frontend.store import encoding as enc
 from canonical_ops.frontend.store.encoding import (
     CorruptUnit,
     PayloadVerifier,
+    begin_unit_check,
     decode_and_verify,
     decode_header,
     encode_header,
@@ -249,3 +252,98 @@ def test_streaming_verification_into_separate_buffers() -> None:
 def test_decode_takes_the_namespace_object() -> None:
     with pytest.raises(TypeError, match="namespace"):
         decode_and_verify(unit(), namespace=NS.digest)
+
+
+# ---------------------------------------------------------------------- a reader's fast path
+
+
+def fast_check(raw, key=b"block-0", first=2, end=6) -> None:
+    """begin_unit_check on ``raw``'s header, then its payload: CorruptUnit unless intact."""
+    length = header_length(key)
+    hasher, checksum = begin_unit_check(raw, namespace=NS, key=key, first=first, end=end)
+    hasher.update(raw[length:])
+    if hasher.digest() != checksum:
+        raise CorruptUnit("checksum mismatch")
+
+
+def reason_of(check) -> str | None:
+    try:
+        check()
+    except CorruptUnit as error:
+        return error.reason
+    return None
+
+
+def test_begin_unit_check_accepts_the_unit_and_hashes_like_the_writer() -> None:
+    raw = unit(position=(1 << 63) - 1)
+    fast_check(raw)
+    # pieces of any size, as a chunked read feeds them
+    length = header_length(b"block-0")
+    hasher, checksum = begin_unit_check(raw[:length], namespace=NS, key=b"block-0", first=2, end=6)
+    for start in range(length, len(raw), 1000):
+        hasher.update(raw[start : start + 1000])
+    assert hasher.digest() == checksum == raw[80:96]
+
+
+def test_every_single_bit_flip_in_the_header_is_refused_by_the_fast_path() -> None:
+    raw = unit()
+    for byte in range(header_length(b"block-0")):
+        for bit in range(8):
+            damaged = bytearray(raw)
+            damaged[byte] ^= 1 << bit
+            assert reason_of(lambda d=damaged: fast_check(bytes(d))) is not None, (byte, bit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.binary(min_size=1, max_size=20),
+    offset=st.integers(0, 96 + 24 - 1),
+    value=st.integers(0, 255),
+    rehash=st.booleans(),
+)
+def test_the_fast_header_check_agrees_with_decode_header(key, offset, value, rehash) -> None:
+    """Any one header byte forged (with or without a valid checksum): the fast path
+    refuses exactly what decode_header + the checksum refuse, with the same reason."""
+    raw = bytearray(unit(key=key))
+    length = header_length(key)
+    offset %= length
+    raw[offset] = value
+    if rehash:
+        raw[80:96] = bytes(16)
+        raw[80:96] = xxhash.xxh3_128(bytes(raw)).digest()
+    raw = bytes(raw)
+    expected = reason_of(lambda: decode_and_verify(raw, namespace=NS, key=key, first=2, end=6))
+    assert reason_of(lambda: fast_check(raw, key=key)) == expected
+
+
+def test_begin_unit_check_refuses_another_unit_and_checks_its_arguments() -> None:
+    raw = unit()
+    with pytest.raises(CorruptUnit, match="another key"):
+        begin_unit_check(raw, namespace=NS, key=b"block-1", first=2, end=6)
+    with pytest.raises(CorruptUnit, match="starts at layer 2"):
+        begin_unit_check(raw, namespace=NS, key=b"block-0", first=1, end=6)
+    with pytest.raises(CorruptUnit, match="namespace"):
+        begin_unit_check(unit(namespace=OTHER), namespace=NS, key=b"block-0", first=2, end=6)
+    with pytest.raises(CorruptUnit, match="truncated header"):
+        begin_unit_check(raw[:100], namespace=NS, key=b"block-0", first=2, end=6)
+    with pytest.raises(TypeError, match="namespace"):
+        begin_unit_check(raw, namespace=NS.digest, key=b"block-0", first=2, end=6)
+    with pytest.raises(ValueError, match="end"):
+        begin_unit_check(raw, namespace=NS, key=b"block-0", first=2, end=9)
+
+
+def test_every_forged_header_byte_is_judged_as_decode_header_judges_it() -> None:
+    """Each header byte set to other values, checksum recomputed: the same verdicts."""
+    key = b"abc"  # 3 key bytes and 5 padding bytes
+    raw = unit(key=key)
+    for offset in range(header_length(key)):
+        for value in {0, 1, 0x7F, 0x80, 0xFF, raw[offset] ^ 1, raw[offset] ^ 0x80}:
+            forged = bytearray(raw)
+            forged[offset] = value
+            forged[80:96] = bytes(16)
+            forged[80:96] = xxhash.xxh3_128(bytes(forged)).digest()
+            forged = bytes(forged)
+            expected = reason_of(
+                lambda f=forged: decode_and_verify(f, namespace=NS, key=key, first=2, end=6)
+            )
+            assert reason_of(lambda f=forged: fast_check(f, key=key)) == expected, (offset, value)

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import xxhash
 from helpers.store import row, small_namespace, unit_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from canonical_ops.frontend.store import (
     StoreNamespace,
     StoreRootError,
 )
+from canonical_ops.frontend.store import encoding as enc_mod
 from canonical_ops.frontend.store import files as files_mod
 from canonical_ops.frontend.store.encoding import header_length
 from canonical_ops.frontend.store.files import key_digest, unit_path
@@ -245,6 +247,75 @@ def test_exact_unit_is_read_straight_into_the_destination(store, monkeypatch) ->
     assert len(seen) == 1 and seen[0][1] == dest.ctypes.data
 
 
+class SpyHasher:
+    """xxh3_128 that logs each update, for the order of reads and hashes."""
+
+    real_hasher = xxhash.xxh3_128  # before the test patches it
+
+    def __init__(self, log: list) -> None:
+        self.real, self.log = self.real_hasher(), log
+
+    def update(self, data) -> None:
+        view = np.frombuffer(data, np.uint8)
+        self.log.append(("hash", view.ctypes.data, len(view)))
+        self.real.update(data)
+
+    def digest(self) -> bytes:
+        return self.real.digest()
+
+
+@pytest.mark.parametrize("chunk", [4096, 5000, NS.total_bytes - 1])
+def test_a_unit_is_read_and_hashed_piece_by_piece(store, monkeypatch, chunk) -> None:
+    """Each piece is read straight into the destination, then hashed at once (while it is
+    in the core's cache), before the next is read; the header comes with the first."""
+    assert store.store(7, 0, row(NS, 7), 0).ok
+    dest = np.zeros(NS.total_bytes, np.uint8)
+    log: list = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset):
+        views = [np.frombuffer(b, np.uint8) for b in buffers]
+        log.append(("read", views[-1].ctypes.data, len(views[-1]), len(views)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(files_mod.os, "preadv", spy)
+    monkeypatch.setattr(enc_mod.xxhash, "xxh3_128", lambda: SpyHasher(log))
+    assert store.load(7, 0, 32, dest).ok
+    assert np.array_equal(dest, row(NS, 7))
+    reads = [e for e in log if e[0] == "read"]
+    pieces = [
+        (start, min(start + chunk, NS.total_bytes)) for start in range(0, NS.total_bytes, chunk)
+    ]
+    assert [(r[1] - dest.ctypes.data, r[1] - dest.ctypes.data + r[2]) for r in reads] == pieces
+    assert [r[3] for r in reads] == [2] + [1] * (len(pieces) - 1)  # header + first piece
+    # the header's three pieces are hashed after the first read, then each piece right
+    # after its own read
+    payload_log = log[1 + 3 :]
+    assert log[0][0] == "read" and [e[0] for e in log[1:4]] == ["hash"] * 3
+    assert [e[0] for e in payload_log] == ["hash"] + ["read", "hash"] * (len(pieces) - 1)
+    hashes = [e for e in payload_log if e[0] == "hash"]
+    assert [(h[1], h[2]) for h in hashes] == [(r[1], r[2]) for r in reads]
+
+
+def test_a_unit_that_shrinks_while_read_is_a_miss(store, monkeypatch) -> None:
+    assert store.store(7, 0, row(NS, 7), 0).ok
+    (path,) = unit_files(store)
+    real = os.preadv
+
+    def shrink_after_first_read(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        os.truncate(path, 2 * 4096)
+        return n
+
+    monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(files_mod.os, "preadv", shrink_after_first_read)
+    status, _ = load_bytes(store, 7, 0, 32)
+    m = store.metrics()
+    assert status == "miss" and (m.hits, m.bytes_loaded, m.corrupt_detected) == (0, 0, 1)
+    assert not os.path.exists(path)
+
+
 def test_other_process_units_are_found_by_lookup(tmp_path) -> None:
     with FileStore(tmp_path, NS, fsync=False) as a, FileStore(tmp_path, NS, fsync=False) as b:
         assert b.store(5, 0, row(NS, 5, 0, 16), 5).ok
@@ -291,7 +362,10 @@ def flip(path: str, offset: int) -> None:
     "damage",
     ["payload bit", "header bit", "last byte", "truncate", "extend", "other key", "empty"],
 )
-def test_a_bad_file_is_a_miss_and_quarantined(store, damage) -> None:
+@pytest.mark.parametrize("chunk", [None, 4096])
+def test_a_bad_file_is_a_miss_and_quarantined(store, damage, chunk, monkeypatch) -> None:
+    if chunk is not None:  # read in several pieces: damage in a later piece
+        monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", chunk)
     assert store.store(1, 0, row(NS, 1), 1).ok
     assert store.store(2, 0, row(NS, 2), 2).ok
     (path,) = [p for p in unit_files(store) if key_digest(1) in p]

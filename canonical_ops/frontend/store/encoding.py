@@ -81,6 +81,7 @@ __all__ = [
     "PayloadVerifier",
     "UnitHeader",
     "as_byte_view",
+    "begin_unit_check",
     "decode_and_verify",
     "decode_header",
     "encode_header",
@@ -434,6 +435,78 @@ def decode_header(
     if end is not None and header.end_layer != end:
         raise CorruptUnit(f"unit ends at layer {header.end_layer}, expected {end}")
     return header
+
+
+def begin_unit_check(
+    buffer: Any, *, namespace: StoreNamespace, key: Any, first: int, end: int
+) -> tuple[xxhash.xxh3_128, bytes]:
+    """Check the header of one expected unit, and start its checksum (a reader's fast path).
+
+    A reader that knows exactly which unit it wants (its namespace, key and
+    layer range) knows every header byte but the position and the checksum:
+    the header is compared with those bytes at once, which accepts exactly
+    the headers :func:`decode_header` accepts with the same ``key``,
+    ``first`` and ``end`` (a mismatch is handed to it for the reason), without
+    building a :class:`UnitHeader`.
+
+    Parameters
+    ----------
+    buffer : buffer
+        At least the unit's header (``header_length(key)`` bytes; more are ignored).
+    namespace : StoreNamespace
+    key : bytes | str | int
+    first, end : int
+        The unit's layer range (validated against ``namespace``).
+
+    Returns
+    -------
+    (xxhash.xxh3_128, bytes)
+        A hasher that has taken the header (checksum zeroed): feed it the
+        payload, in pieces of any size, then compare its ``digest()`` with the
+        second item, the stored checksum; a difference means :class:`CorruptUnit`.
+
+    Raises
+    ------
+    CorruptUnit
+        The header is not that of this unit (see :func:`decode_header`).
+    """
+    if not isinstance(namespace, StoreNamespace):
+        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+    raw_key = normalize_key(key)
+    payload_length = namespace.layer_bytes(first, end)  # validates first / end
+    length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
+    view = as_byte_view(buffer)
+    if len(view) < length:
+        raise CorruptUnit(f"truncated header: {len(view)} of {length} bytes")
+    head = bytes(view[:length])
+    expected = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        length,
+        CHECKSUM_XXH3_128,
+        len(raw_key),
+        0,
+        int(first),
+        int(end),
+        namespace.num_layers,
+        0,
+        payload_length,
+        namespace.digest,
+        _ZERO_CHECKSUM,
+    )
+    if (
+        head[:32] != expected[:32]  # magic .. total layers
+        or head[39] >= 0x80  # position < 2**63 (its top byte, little-endian)
+        or head[40:_CHECKSUM_OFFSET] != expected[40:_CHECKSUM_OFFSET]  # payload length, digest
+        or head[FIXED_HEADER_BYTES:] != raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
+    ):
+        decode_header(head, namespace=namespace, key=raw_key, first=first, end=end)
+        raise CorruptUnit("header does not match the unit's")  # pragma: no cover - defensive
+    hasher = xxhash.xxh3_128()
+    hasher.update(head[:_CHECKSUM_OFFSET])
+    hasher.update(_ZERO_CHECKSUM)
+    hasher.update(head[_CHECKSUM_OFFSET + _CHECKSUM_BYTES :])
+    return hasher, head[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + _CHECKSUM_BYTES]
 
 
 class PayloadVerifier:

@@ -34,8 +34,10 @@ range, checksum) before the load is reported; a unit that fails is moved to
 ``quarantine/`` (or removed once the quarantine holds ``quarantine_limit``
 files), counted, and the load is a miss (``"miss"``: the destination's bytes
 are then undefined and must not be used). When one unit covers the requested
-layers exactly, it is read with one ``preadv`` into [a header buffer, the
-destination] and hashed in place: no extra copy.
+layers exactly, it is read straight into the destination (no extra copy), in
+pieces of 1 MiB, each hashed while it is still in the core's cache: the
+header with the first piece, checked against the bytes the unit must have
+before any payload byte is hashed.
 
 Index and capacity
 ------------------
@@ -77,6 +79,7 @@ from .encoding import (
     PayloadVerifier,
     UnitHeader,
     as_byte_view,
+    begin_unit_check,
     decode_header,
     encode_header,
     header_length,
@@ -114,6 +117,10 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # Largest single read or write syscall: bounds a stuck syscall and lets the
 # crash tests stop a writer in the middle of a unit.
 _IO_CHUNK_BYTES = 64 << 20
+# Loads read and hash a unit in pieces of this size: each piece is hashed while it
+# is still in the core's cache, and is large enough that a syscall per piece costs
+# little (bench/bench_read_hash.py measures the sizes).
+_LOAD_CHUNK_BYTES = 1 << 20
 # Verification of a whole file (tools) hashes it in pieces of this size.
 _VERIFY_CHUNK_BYTES = 8 << 20
 _NS_PER_S = 1_000_000_000
@@ -243,6 +250,51 @@ def _read_all(fd: int, parts: Sequence[memoryview], offset: int) -> int:
         total += n
         views = _advance(views, n)
     return total
+
+
+def _read_exactly(fd: int, parts: list[memoryview], offset: int, size: int) -> None:
+    """``preadv`` ``size`` bytes at ``offset`` into ``parts``; CorruptUnit when the file is short."""
+    got = os.preadv(fd, parts, offset)
+    if got < size:  # a regular file reads short only at its end (or past 2 GiB)
+        got += _read_all(fd, _advance(parts, got), offset + got)
+        if got != size:
+            raise CorruptUnit("short read")
+
+
+def _read_verified(
+    fd: int,
+    namespace: StoreNamespace,
+    raw_key: bytes,
+    first: int,
+    end: int,
+    head_len: int,
+    body: memoryview,
+) -> None:
+    """Read a unit (header, then ``body``) and verify it; CorruptUnit unless it is intact.
+
+    The payload is read in chunks of :data:`_LOAD_CHUNK_BYTES`, each hashed
+    right after the read, while it is still in this core's cache: one pass
+    over memory instead of a copy and then a second full pass to hash.
+    The header comes with the first chunk (one syscall) and is checked before
+    any payload byte is hashed. ``body``'s bytes are undefined unless this returns.
+    """
+    step = _LOAD_CHUNK_BYTES
+    head = memoryview(bytearray(head_len))
+    part = body[:step]
+    _read_exactly(fd, [head, part], 0, head_len + len(part))
+    hasher, checksum = begin_unit_check(
+        head, namespace=namespace, key=raw_key, first=first, end=end
+    )
+    update, done, size = hasher.update, 0, len(body)
+    while True:
+        update(part)
+        done += len(part)
+        if done >= size:
+            break
+        part = body[done : done + step]
+        _read_exactly(fd, [part], head_len + done, len(part))
+    if hasher.digest() != checksum:
+        raise CorruptUnit("checksum mismatch")
 
 
 # ---------------------------------------------------------------------- records
@@ -1115,20 +1167,7 @@ class FileStore(TierBase):
                 # A unit inside the range is read straight into the destination;
                 # one that sticks out goes through a scratch buffer.
                 body = target if whole else memoryview(bytearray(payload_len))
-                head = memoryview(bytearray(head_len))
-                # One preadv for the whole unit (a loop only for short reads or huge units).
-                size = st.st_size
-                got = os.preadv(fd, [head, body], 0) if size <= _IO_CHUNK_BYTES else 0
-                if got < size:
-                    got += _read_all(fd, _advance([head, body], got), got)
-                if got != size:
-                    raise CorruptUnit("short read")
-                header = decode_header(
-                    head, namespace=self.namespace, key=raw_key, first=entry.first, end=entry.end
-                )
-                verifier = PayloadVerifier(header)
-                verifier.update(body)
-                verifier.finish()
+                _read_verified(fd, self.namespace, raw_key, entry.first, entry.end, head_len, body)
             except CorruptUnit as error:
                 self._quarantine(path, st, error.reason)
                 raise _UnitBad(entry, error.reason) from None
