@@ -1,25 +1,28 @@
-"""Can reading and hashing a unit overlap? Warm (page-cache) reads with and without XXH3-128.
+"""Warm (page-cache) reads with XXH3-128 verification: which way of hashing costs least?
 
-The file tier verifies every unit it loads: after the read, XXH3-128 over the payload.
-On warm loads (the file in the page cache) the read is a memory copy, so the hash
-is extra work on the same memory, and the tier reads at ~0.55x a plain read when
-one thread does both (docs/bench/bench_store.md). This measures the ways to
-overlap them, on the same files in the same run (no canonical-kv code involved):
+The file tier verifies every unit it loads. A warm load is a memory copy (page
+cache -> destination), so the hash is extra work over the same bytes. This
+measures the ways to do it on the same files in the same run, round-robin, no
+canonical-kv code involved, on 1 thread and on ``--threads`` threads (each
+taking every Nth unit, as the tier's job pool does), against plain reads of
+the same files into the same kind of memory with the same threads:
 
-* plain read            open, one preadv of the whole unit, close (the baseline)
-* read, then hash       what FileStore does per unit (one thread)
-* chunked read+hash     preadv a chunk, hash it while it is cache-hot, next chunk
-* pipelined             read chunk k+1 (preadv releases the GIL) while a hashing
-                        thread hashes chunk k (python-xxhash releases the GIL too)
-* split                 a helper thread reads the second half while the caller
-                        reads and hashes the first half
-* 2 threads, per unit   two threads each read+hash whole units (the job pool's way)
-* 2 threads, plain      two threads each plain-read whole units
+* plain read          open, one preadv of the whole unit, close (the baseline)
+* read, then hash     one preadv of the unit, then XXH3-128 over it (a second pass
+                      over memory: a unit is larger than a core's L2)
+* chunked C           preadv a piece of C bytes, hash it at once while it is in the
+                      core's cache, next piece (what FileStore does, C = 1 MiB)
+* helper thread       (1 thread only) the reading thread hands each piece to a
+                      hashing thread and reads on (a second core; python-xxhash
+                      releases the GIL): what it would take to hide the hash
 
-and whether ``xxh3_128.update`` lets two threads hash at once (GIL released),
-for cache-resident (256 KiB) and memory-resident (4 MiB) buffers.
+Then, to explain the figures: the speed of XXH3-128 over a piece just read vs
+the same piece from memory; how a header that is not a multiple of 64 bytes
+slows the copy (a unit's payload starts at byte ``96 + key bytes rounded up to
+8``: 104 for an 8-byte key, 128 for a 32-byte one); and whether
+``xxh3_128.update`` lets two threads hash at once.
 
-Usage: python bench/bench_read_hash.py [--unit-mib 2] [--count 64] [--repeats 7]
+Usage: python bench/bench_read_hash.py [--unit-mib 2] [--mib 256] [--repeats 9] [--threads 4]
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ import time
 import numpy as np
 import xxhash
 
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+CHUNKS = (64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20)
+
 
 def aligned(nbytes: int) -> np.ndarray:
     """Page-aligned prefaulted memory, as a region's rows are."""
@@ -45,195 +51,237 @@ def aligned(nbytes: int) -> np.ndarray:
     return array
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+def on_threads(threads: int, count: int, body):
+    """A timed function: ``threads`` started threads run ``body`` over every Nth unit."""
+
+    def run() -> float:
+        go, ready = threading.Event(), threading.Barrier(threads + 1)
+
+        def worker(k: int) -> None:
+            ready.wait()
+            go.wait()
+            body(range(k, count, threads))
+
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for thread in pool:
+            thread.start()
+        ready.wait()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        go.set()
+        for thread in pool:
+            thread.join()
+        return time.perf_counter() - start
+
+    return run
+
+
+def timed(body, count: int):
+    def run() -> float:
+        start = time.perf_counter()
+        body(range(count))
+        return time.perf_counter() - start
+
+    return run
+
+
+class Files:
+    """``count`` unit files of ``unit`` payload bytes after ``head`` header bytes."""
+
+    def __init__(self, root: str, count: int, unit: int, head: int) -> None:
+        payload = np.random.default_rng(0).integers(0, 256, head + unit, dtype=np.uint8)
+        self.paths = []
+        for i in range(count):
+            path = os.path.join(root, f"{head}-{i}.bin")
+            with open(path, "wb") as f:
+                f.write(payload.tobytes())
+            self.paths.append(path)
+        self.unit, self.head = unit, head
+        self.dest = aligned(unit * count).reshape(count, unit)
+        self.views = [memoryview(row) for row in self.dest]
+
+    def plain(self, units) -> None:
+        head = bytearray(self.head)
+        for i in units:
+            fd = os.open(self.paths[i], READ_FLAGS)
+            os.preadv(fd, [head, self.views[i]] if self.head else [self.views[i]], 0)
+            os.close(fd)
+
+    def serial(self, units) -> None:
+        for i in units:
+            fd = os.open(self.paths[i], READ_FLAGS)
+            os.preadv(fd, [self.views[i]], self.head)
+            os.close(fd)
+            xxhash.xxh3_128(self.views[i]).digest()
+
+    def chunked(self, chunk: int):
+        def run(units) -> None:
+            for i in units:
+                fd, hasher, view = (
+                    os.open(self.paths[i], READ_FLAGS),
+                    xxhash.xxh3_128(),
+                    self.views[i],
+                )
+                for offset in range(0, self.unit, chunk):
+                    part = view[offset : offset + chunk]
+                    os.preadv(fd, [part], self.head + offset)
+                    hasher.update(part)
+                os.close(fd)
+                hasher.digest()
+
+        return run
+
+    def helper(self, chunk: int):
+        """Reads on this thread, hashes on a helper thread that never makes it wait."""
+        work: queue.SimpleQueue = queue.SimpleQueue()
+
+        def hashing() -> None:
+            while (item := work.get()) is not None:
+                hasher, part, done = item
+                if part is None:
+                    done.put(hasher.digest())
+                else:
+                    hasher.update(part)
+
+        def run(units) -> None:
+            thread = threading.Thread(target=hashing, daemon=True)
+            thread.start()
+            done: queue.SimpleQueue = queue.SimpleQueue()
+            for i in units:
+                fd, hasher, view = (
+                    os.open(self.paths[i], READ_FLAGS),
+                    xxhash.xxh3_128(),
+                    self.views[i],
+                )
+                for offset in range(0, self.unit, chunk):
+                    part = view[offset : offset + chunk]
+                    os.preadv(fd, [part], self.head + offset)
+                    work.put((hasher, part, None))
+                os.close(fd)
+                work.put((hasher, None, done))
+                done.get()  # the unit counts as loaded once verified
+            work.put(None)
+            thread.join()
+
+        return run
+
+
+def best_of(cases: dict, repeats: int) -> dict[str, float]:
+    """Best seconds of each case, run round-robin (each round starting one case later)."""
+    names, times = list(cases), {name: [] for name in cases}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(cases[name]())
+    return {name: min(t) for name, t in times.items()}
+
+
+def table(title: str, seconds: dict[str, float], nbytes: int, baselines: dict[str, str]) -> None:
+    print(f"\n| {title} | GB/s | vs {', '.join(sorted(set(baselines.values())))} |")
+    print("| --- | --- | --- |")
+    for name, s in seconds.items():
+        base = seconds[baselines[name]]
+        print(f"| {name} | {nbytes / s / 1e9:.2f} | {base / s:.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--unit-mib", type=float, default=2.0, help="unit size (llama3-8b: 2)")
-    parser.add_argument("--count", type=int, default=64, help="units per measurement")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--mib", type=int, default=256, help="MiB read per measurement")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=4, help="threads of the pool cases")
     parser.add_argument("--dir", default=None, help="file system (default: $TMPDIR)")
     args = parser.parse_args(argv)
     unit = int(args.unit_mib * (1 << 20)) // 4096 * 4096
-    count = args.count
+    count = max(4, (args.mib << 20) // unit)
+    nbytes = unit * count
+    n = args.threads
     root = tempfile.mkdtemp(prefix="bench-read-hash-", dir=args.dir)
     try:
-        payload = np.random.default_rng(0).integers(0, 256, unit, dtype=np.uint8)
-        paths = []
-        for i in range(count):
-            path = os.path.join(root, f"{i}.bin")
-            with open(path, "wb") as f:
-                f.write(payload.tobytes())
-            paths.append(path)
-        dest = aligned(unit * count).reshape(count, unit)
-        flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
-
-        def read(i: int) -> None:
-            fd = os.open(paths[i], flags)
-            os.preadv(fd, [dest[i]], 0)
-            os.close(fd)
-
-        def read_hash(i: int) -> None:
-            read(i)
-            hasher = xxhash.xxh3_128()
-            hasher.update(dest[i])
-            hasher.digest()
-
-        def plain() -> None:
-            for i in range(count):
-                read(i)
-
-        def serial() -> None:
-            for i in range(count):
-                read_hash(i)
-
-        def chunked(chunk: int):
-            def run() -> None:
-                for i in range(count):
-                    fd, hasher = os.open(paths[i], flags), xxhash.xxh3_128()
-                    for offset in range(0, unit, chunk):
-                        view = dest[i, offset : offset + chunk]
-                        os.preadv(fd, [view], offset)
-                        hasher.update(view)
-                    os.close(fd)
-                    hasher.digest()
-
-            return run
-
-        work: queue.SimpleQueue = queue.SimpleQueue()
-        done: queue.SimpleQueue = queue.SimpleQueue()
-
-        def hashing_thread() -> None:
-            while True:
-                item = work.get()
-                if item is None:
-                    return
-                item[0].update(item[1])
-                done.put(True)
-
-        helper = threading.Thread(target=hashing_thread, daemon=True)
-        helper.start()
-
-        def pipelined(chunk: int):
-            def run() -> None:
-                for i in range(count):
-                    fd, hasher, pending = os.open(paths[i], flags), xxhash.xxh3_128(), 0
-                    for offset in range(0, unit, chunk):
-                        view = dest[i, offset : offset + chunk]
-                        os.preadv(fd, [view], offset)
-                        if pending:
-                            done.get()  # chunk k-1 hashed: the state may take chunk k
-                            pending -= 1
-                        work.put((hasher, view))
-                        pending += 1
-                    while pending:
-                        done.get()
-                        pending -= 1
-                    os.close(fd)
-                    hasher.digest()
-
-            return run
-
-        def split() -> None:
-            half = unit // 2 // 4096 * 4096
-            for i in range(count):
-                fd, finished = os.open(paths[i], flags), threading.Event()
-
-                def second(fd: int = fd, i: int = i, finished=finished) -> None:
-                    os.preadv(fd, [dest[i, half:]], half)
-                    finished.set()
-
-                work.put((_Call(second), b""))
-                os.preadv(fd, [dest[i, :half]], 0)
-                hasher = xxhash.xxh3_128()
-                hasher.update(dest[i, :half])
-                finished.wait()
-                done.get()
-                hasher.update(dest[i, half:])
-                hasher.digest()
-                os.close(fd)
-
-        def threads(body):
-            def run() -> None:
-                def part(k: int) -> None:
-                    for i in range(k, count, 2):
-                        body(i)
-
-                pair = [threading.Thread(target=part, args=(k,)) for k in (0, 1)]
-                for thread in pair:
-                    thread.start()
-                for thread in pair:
-                    thread.join()
-
-            return run
-
-        plain()  # the files into the page cache, the destination faulted in
-        cases = [
-            ("plain read", plain),
-            ("read, then hash (FileStore)", serial),
-            ("chunked read+hash 64 KiB", chunked(64 << 10)),
-            ("chunked read+hash 256 KiB", chunked(256 << 10)),
-            ("pipelined 256 KiB", pipelined(256 << 10)),
-            ("pipelined 1 MiB", pipelined(1 << 20)),
-            ("split halves (helper reads 2nd)", split),
-            ("2 threads, read+hash per unit", threads(read_hash)),
-            ("2 threads, plain read per unit", threads(read)),
-        ]
-        load = os.getloadavg()[0]
+        files = Files(root, count, unit, 128)  # a 32-byte key's header: the payload 64-aligned
+        files.plain(range(count))  # the files into the page cache
         print(
-            f"{count} units of {unit / 2**20:.2f} MiB, warm, best of {args.repeats}; "
-            f"{os.cpu_count()} CPUs; load average {load:.2f}; xxhash {xxhash.VERSION}\n"
+            f"{count} units of {unit / 2**20:.2f} MiB, warm, best of {args.repeats}, "
+            f"round-robin; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; "
+            f"xxhash {xxhash.VERSION} (libxxhash {xxhash.XXHASH_VERSION})"
         )
-        base = None
-        print("| method | GB/s | vs plain read |\n| --- | --- | --- |")
-        for name, fn in cases:
-            gbps = unit * count / best(fn, args.repeats) / 1e9
-            base = base or gbps
-            print(f"| {name} | {gbps:.2f} | {gbps / base:.2f}x |", flush=True)
-        work.put(None)
-        print()
-        print("| xxh3_128.update, 2 threads vs 1 | scaling (2.0 = GIL fully released) |")
+        one = {
+            "plain read": timed(files.plain, count),
+            "read, then hash": timed(files.serial, count),
+        }
+        one |= {f"chunked {c >> 10} KiB": timed(files.chunked(c), count) for c in CHUNKS}
+        one[f"helper thread, {1 << 10} KiB"] = timed(files.helper(1 << 20), count)
+        pool = {f"{n} threads, plain read": on_threads(n, count, files.plain)}
+        pool[f"{n} threads, read, then hash"] = on_threads(n, count, files.serial)
+        pool |= {
+            f"{n} threads, chunked {c >> 10} KiB": on_threads(n, count, files.chunked(c))
+            for c in CHUNKS
+        }
+        seconds = best_of(one | pool, args.repeats)
+        table(
+            "1 thread",
+            {k: seconds[k] for k in one},
+            nbytes,
+            dict.fromkeys(one, "plain read"),
+        )
+        table(
+            f"{n} threads",
+            {k: seconds[k] for k in pool},
+            nbytes,
+            dict.fromkeys(pool, f"{n} threads, plain read"),
+        )
+
+        # XXH3-128 over a piece just read (cached) vs the same bytes from memory.
+        print("\n| XXH3-128 over | GB/s |\n| --- | --- |")
+        chunk, dest = 1 << 20, files.dest.reshape(-1)
+        fd = os.open(files.paths[0], READ_FLAGS)
+        hot = cold = 0.0
+        for offset in range(0, nbytes, chunk):
+            part = dest[offset : offset + chunk]
+            os.preadv(fd, [part], files.head + offset % unit)
+            start = time.perf_counter()
+            xxhash.xxh3_128(part).digest()
+            hot += time.perf_counter() - start
+        os.close(fd)
+        start = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            xxhash.xxh3_128(dest[offset : offset + chunk]).digest()
+        cold = time.perf_counter() - start
+        print(f"| 1 MiB pieces right after their read | {nbytes / hot / 1e9:.2f} |")
+        print(f"| the same {nbytes >> 20} MiB from memory | {nbytes / cold / 1e9:.2f} |")
+
+        # Where the payload starts in the file: a copy from the page cache is slower when
+        # source and destination are not equally aligned (to 64 bytes).
+        heads = {"payload at byte 0 (plain file)": 0, "at 104 (8-byte key)": 104}
+        heads["at 128 (32-byte key)"] = 128
+        aligns = {}
+        for name, head in heads.items():
+            other = files if head == 128 else Files(root, count, unit, head)
+            other.plain(range(count))
+            aligns[name] = timed(other.plain, count)
+        seconds = best_of(aligns, args.repeats)
+        table(
+            "plain read, 1 thread",
+            seconds,
+            nbytes,
+            dict.fromkeys(aligns, "payload at byte 0 (plain file)"),
+        )
+
+        print("\n| xxh3_128.update, 2 threads vs 1 | scaling (2.0 = GIL fully released) |")
         print("| --- | --- |")
         for size, rounds in ((256 << 10, 2000), (4 << 20, 150)):
             bufs = [np.ones(size, np.uint8) for _ in range(2)]
 
             def hash_many(buf, rounds=rounds) -> None:
                 for _ in range(rounds):
-                    hasher = xxhash.xxh3_128()
-                    hasher.update(buf)
-                    hasher.digest()
+                    xxhash.xxh3_128(buf).digest()
 
-            one = best(lambda bufs=bufs: hash_many(bufs[0]), 3)
-
-            def two(bufs=bufs) -> None:
-                pair = [threading.Thread(target=hash_many, args=(b,)) for b in bufs]
-                for thread in pair:
-                    thread.start()
-                for thread in pair:
-                    thread.join()
-
-            print(f"| {size >> 10} KiB buffers | {2 * one / best(two, 3):.2f}x |")
+            alone = best_of({"1": timed(lambda _u, b=bufs[0]: hash_many(b), 1)}, 3)["1"]
+            both = on_threads(2, 2, lambda units, b=bufs: [hash_many(b[i]) for i in units])
+            pair = best_of({"2": both}, 3)["2"]
+            print(f"| {size >> 10} KiB buffers | {2 * alone / pair:.2f}x |")
         print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
-
-
-class _Call:
-    """Lets ``split`` run a function on the hashing thread (``update`` is its entry point)."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def update(self, _data) -> None:
-        self.fn()
 
 
 if __name__ == "__main__":
