@@ -12,6 +12,9 @@ Markers (declared in pyproject.toml):
     Needs real vLLM 0.33 (``make test-vllm`` runs them in their own venv). Without vLLM
     every module there is reported skipped and is never imported (they import vLLM at
     the top).
+``sglang`` (the folder ``tests/sglang_plugin``)
+    Needs real SGLang 0.5.x (``make test-sglang`` runs them in their own venv). Without
+    SGLang every module there is reported skipped and is never imported.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pytest
 import torch
 
 VLLM_TESTS = Path(__file__).resolve().parent / "vllm_plugin"
+SGLANG_TESTS = Path(__file__).resolve().parent / "sglang_plugin"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,6 +55,13 @@ def vllm_skip_reason() -> str | None:
     return None
 
 
+@cache
+def sglang_skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not installed: `make test-sglang` runs tests/sglang_plugin in its own venv"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_slow = config.getoption("--skip-slow")
     for item in items:
@@ -60,6 +71,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="--skip-slow"))
         if VLLM_TESTS in Path(item.path).parents:
             item.add_marker(pytest.mark.vllm)
+        if SGLANG_TESTS in Path(item.path).parents:
+            item.add_marker(pytest.mark.sglang)
 
 
 class _NeedsVllm(pytest.Module):
@@ -69,9 +82,18 @@ class _NeedsVllm(pytest.Module):
         pytest.skip(vllm_skip_reason())
 
 
+class _NeedsSglang(pytest.Module):
+    """An SGLang test module reported as skipped without importing it."""
+
+    def collect(self):
+        pytest.skip(sglang_skip_reason())
+
+
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     if VLLM_TESTS in module_path.parents and vllm_skip_reason():
         return _NeedsVllm.from_parent(parent, path=module_path)
+    if SGLANG_TESTS in module_path.parents and sglang_skip_reason():
+        return _NeedsSglang.from_parent(parent, path=module_path)
     return None
 
 

@@ -18,6 +18,7 @@ stored; it never maps to another prefix's unit.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -27,6 +28,8 @@ from typing import Any
 from ..frontend.store.token_keys import ROOT_KEY, chain_keys
 
 __all__ = ["TokenKeyIndex", "install_hash_observer", "observed_token_ids"]
+
+logger = logging.getLogger(__name__)
 
 _observers: weakref.WeakSet[TokenKeyIndex] = weakref.WeakSet()
 _install_lock = threading.Lock()
@@ -152,8 +155,9 @@ def install_hash_observer(index: TokenKeyIndex, utils_module: Any = None) -> Non
                 result = original(token_ids, prior_hash, page_size)
                 try:
                     _notify(token_ids, prior_hash, page_size, result)
-                except Exception:  # noqa: BLE001 - observing must never break SGLang's hashing
-                    pass
+                except Exception:
+                    # Observing must never break SGLang's hashing: the chain just stays unindexed.
+                    logger.warning("canonical-kv: page hashes not indexed", exc_info=True)
                 return result
 
             get_hash_str._canonical_kv_observer = True

@@ -28,7 +28,7 @@ import numpy as np
 from layouts import CanonicalPageMapping, LayerSpec, derive_group_mappings
 from layouts.spec import dtype_name
 
-__all__ = ["HostPageCodec", "MHA_LAYOUTS", "MLA_LAYOUTS", "byte_index"]
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "HostPageCodec", "byte_index"]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
