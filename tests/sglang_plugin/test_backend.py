@@ -1,0 +1,277 @@
+"""canonical_ops.sglang against real SGLang: its factory, host pools, page hashing, interface.
+
+Every backend is made as SGLang's HiCacheController makes it (``dynamic`` backend from the
+factory, then ``register_mem_pool_host``), pages are keyed by SGLang's own page hashes
+(``get_storage_hash_str``), and every byte read back is compared with an independent truth.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang_harness import Model, check_pages, fill_pages, make_backend, make_pool, pool_rows
+
+from canonical_ops.frontend.store.token_keys import block_keys
+from canonical_ops.sglang import BackendSetupError
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MODEL = Model()
+TOKENS = list(range(1000, 1000 + 3 * MODEL.page_size))
+
+
+def sglang_keys(model: Model = MODEL, tokens=TOKENS, **kw):
+    """SGLang's storage page hashes of ``tokens`` (what its controller passes the backend).
+
+    Called after the backends exist, as in an engine: the key index learns the canonical
+    keys while SGLang hashes a request's tokens.
+    """
+    return get_storage_hash_str(tokens, None, page_size=model.page_size, **kw)
+
+
+def group(model, tp, layout, extra, **over):
+    """(pool, backend) of every rank of a TP group."""
+    out = []
+    for rank in range(tp):
+        pool = make_pool(model, tp, rank, layout)
+        out.append((pool, make_backend(pool, tp, rank, extra, model_name=model.name, **over)))
+    return out
+
+
+def write(model, ranks, tp, keys, tokens=TOKENS):
+    """Each rank fills its pages with the truth and stores them (v1); returns the results."""
+    results = []
+    for rank, (pool, backend) in enumerate(ranks):
+        slots = pool.alloc(len(tokens))
+        fill_pages(model, pool, tp, rank, slots)
+        results.append(backend.batch_set_v1(keys, slots))
+    return results
+
+
+def unit_files(store_dir: Path) -> list[Path]:
+    return sorted(store_dir.rglob("*.ckv"))
+
+
+# ------------------------------------------------------------------ SGLang's interface
+
+
+def test_factory_makes_a_hicache_storage(extra):
+    pool = make_pool(MODEL, 1, 0, "page_first")
+    backend = make_backend(pool, 1, 0, extra, model_name=MODEL.name)
+    assert isinstance(backend, HiCacheStorage)
+    assert type(backend).__name__ == "CanonicalHiCacheStorage"
+    assert backend.mem_pool_host is pool
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_v1_round_trip_every_layout(extra, store_dir, layout):
+    ((pool, backend),) = group(MODEL, 1, layout, extra)
+    keys = sglang_keys()
+    assert backend.batch_exists(keys) == 0 and not backend.exists(keys[0])
+    slots = pool.alloc(len(TOKENS))
+    fill_pages(MODEL, pool, 1, 0, slots)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert backend.batch_set_v1(keys, slots, info) == [True] * 3
+    assert backend.batch_exists(keys) == 3 and backend.exists(keys[2])
+    assert len(unit_files(store_dir)) == 3
+    other = pool.alloc(len(TOKENS))
+    assert backend.batch_get_v1(keys, other) == [True] * 3
+    check_pages(MODEL, pool, 1, 0, other)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_head"])
+def test_generic_flat_page_path(extra, layout):
+    """The controller's non-v1 path: get_data_page(flat) -> set; get into a dummy page."""
+    ((pool, backend),) = group(MODEL, 1, layout, extra)
+    keys = sglang_keys()
+    slots = pool.alloc(len(TOKENS))
+    fill_pages(MODEL, pool, 1, 0, slots)
+    pages = [pool.get_data_page(int(slots[i * MODEL.page_size])) for i in range(3)]
+    assert backend.batch_set(keys, pages)
+    dummies = [pool.get_dummy_flat_data_page() for _ in keys]
+    got = backend.batch_get(keys, dummies)
+    other = pool.alloc(len(TOKENS))
+    for i, page in enumerate(got):
+        assert page is not None
+        pool.set_from_flat_data_page(int(other[i * MODEL.page_size]), page)
+    check_pages(MODEL, pool, 1, 0, other)
+
+
+# ------------------------------------------------------------------ TP interop
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(4, 2), (2, 4), (4, 1)])
+def test_tp_interop_bit_exact(extra, writer_tp, reader_tp):
+    writers = group(MODEL, writer_tp, "page_first", extra)
+    keys = sglang_keys()
+    assert write(MODEL, writers, writer_tp, keys) == [[True] * 3] * writer_tp
+    readers = group(MODEL, reader_tp, "layer_first", extra)
+    assert sglang_keys() == keys
+    for rank, (pool, backend) in enumerate(readers):
+        assert backend.batch_exists(keys) == 3
+        slots = pool.alloc(len(TOKENS))
+        assert backend.batch_get_v1(keys, slots) == [True] * 3
+        check_pages(MODEL, pool, reader_tp, rank, slots)
+
+
+def test_replicated_heads_tp4_to_tp1(extra):
+    """2 KV heads at TP=4: each head on two ranks, one of them elected to write it."""
+    model = Model(name="test/tiny-2heads", total_heads=2)
+    more = {**extra, "total_kv_heads": 2}
+    writers = group(model, 4, "page_first_direct", more)
+    keys = sglang_keys(model)
+    assert [b.core.writers for _, b in writers][0] == [0, 2]
+    write(model, writers, 4, keys)
+    ((pool, backend),) = group(model, 1, "page_first", more)
+    sglang_keys(model)
+    slots = pool.alloc(len(TOKENS))
+    assert backend.batch_get_v1(keys, slots) == [True] * 3
+    check_pages(model, pool, 1, 0, slots)
+
+
+def test_unit_is_published_only_when_every_writer_stored(extra, store_dir):
+    writers = group(MODEL, 4, "page_first", extra)
+    keys = sglang_keys()
+    write(MODEL, writers[:3], 4, keys)
+    assert unit_files(store_dir) == []
+    assert all(b.batch_exists(keys) == 0 for _, b in writers)
+    pool, backend = writers[3]
+    slots = pool.alloc(len(TOKENS))
+    fill_pages(MODEL, pool, 4, 3, slots)
+    assert backend.batch_set_v1(keys, slots) == [True] * 3
+    assert len(unit_files(store_dir)) == 3
+    assert list((Path(extra["staging_dir"])).rglob("*.frag")) == []
+
+
+def test_corrupt_fragment_is_never_published(extra, store_dir):
+    writers = group(MODEL, 2, "page_first", extra)
+    keys = sglang_keys()
+    write(MODEL, writers[:1], 2, keys)
+    frag = sorted(Path(extra["staging_dir"]).rglob("r0.frag"))[0]
+    data = bytearray(frag.read_bytes())
+    data[-1] ^= 0xFF
+    frag.write_bytes(bytes(data))
+    results = write(MODEL, writers[1:], 2, keys)
+    assert results[0].count(False) == 1  # the unit whose fragment is bad
+    assert len(unit_files(store_dir)) == 2
+
+
+# ------------------------------------------------------------------ misses
+
+
+@pytest.mark.parametrize(
+    ("reader", "over"),
+    [
+        (Model(name="test/other-model"), {}),
+        (Model(dtype=torch.float16), {}),
+        (Model(total_heads=8), {}),
+        (Model(head_dim=16), {}),
+        (MODEL, {"model_revision": "v2"}),
+        (MODEL, {"kv_quant": "int8-experiment"}),
+    ],
+    ids=["model", "dtype", "heads", "head_dim", "revision", "kv_quant"],
+)
+def test_mismatched_identity_or_geometry_is_a_miss(extra, reader, over):
+    ((pool, backend),) = group(MODEL, 1, "page_first", extra)
+    keys = sglang_keys()
+    write(MODEL, [(pool, backend)], 1, keys)
+    ((rpool, rbackend),) = group(reader, 1, "page_first", {**extra, **over})
+    sglang_keys(reader)  # the reader's engine hashes the same tokens
+    assert rbackend.batch_exists(keys) == 0
+    slots = rpool.alloc(len(TOKENS))
+    before = pool_rows(rpool, slots)
+    assert rbackend.batch_get_v1(keys, slots) == [False] * 3
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_rows(rpool, slots)))
+
+
+def test_corrupt_unit_is_a_miss_and_writes_nothing(extra, store_dir):
+    ((pool, backend),) = group(MODEL, 1, "page_first", extra)
+    keys = sglang_keys()
+    write(MODEL, [(pool, backend)], 1, keys)
+    canonical = block_keys(TOKENS, MODEL.page_size)
+    # Corrupt the second block's unit (its directory is named by sha256 of its key).
+    import hashlib
+
+    target = hashlib.sha256(canonical[1]).hexdigest()[:32]
+    (path,) = [p for p in unit_files(store_dir) if p.parent.name == target]
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    slots = pool.alloc(len(TOKENS))
+    pool.kv_buffer.view(torch.int16).fill_(0x5A5A)
+    before = pool_rows(pool, slots)
+    assert backend.batch_get_v1(keys, slots) == [True, False, False]
+    after = pool_rows(pool, slots)
+    page = MODEL.page_size
+    for layer in range(MODEL.layers):
+        assert torch.equal(after[layer][:, page:], before[layer][:, page:])  # untouched
+    assert backend.core.tier.metrics().corrupt_detected == 1
+
+
+def test_unknown_or_salted_sglang_keys_are_misses(extra, store_dir):
+    ((pool, backend),) = group(MODEL, 1, "page_first", extra)
+    slots = pool.alloc(len(TOKENS))
+    fill_pages(MODEL, pool, 1, 0, slots)
+    assert backend.batch_set_v1(["f" * 64] * 3, slots) == [False] * 3
+
+    class SaltedKey(list):  # SGLang's RadixKey carries the request's cache salt
+        extra_key = None
+        cache_salt = "tenant-a"
+
+    salted = get_storage_hash_str(SaltedKey(TOKENS), None, page_size=MODEL.page_size)
+    assert backend.batch_set_v1(salted, slots) == [False] * 3
+    assert unit_files(store_dir) == []
+
+
+def test_keys_follow_the_token_chain_across_calls(extra):
+    """A chain SGLang hashes in two calls (prior hash) maps to the same canonical keys."""
+    ((pool, backend),) = group(MODEL, 1, "page_first", extra)
+    page = MODEL.page_size
+    head = get_storage_hash_str(TOKENS[:page], None, page_size=page)
+    tail = get_storage_hash_str(TOKENS[page:], head[-1], page_size=page)
+    expected = block_keys(TOKENS, page)
+    assert [backend.core.index.canonical(k) for k in head + tail] == expected
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("over", "extra_over", "match"),
+    [
+        ({"attn_cp_size": 2, "attn_cp_rank": 0}, {}, "attn_cp_size"),
+        ({"should_split_heads": True}, {}, "should_split_heads"),
+        ({}, {"store": ""}, "extra_config.store"),
+        ({}, {"typo_key": 1}, "unknown keys"),
+        ({"pp_size": 2}, {}, "num_layers"),
+        ({}, {"total_kv_heads": 6}, "total_kv_heads"),
+        ({}, {"store_options": []}, "store_options"),
+    ],
+)
+def test_refused_configurations(extra, over, extra_over, match):
+    pool = make_pool(MODEL, 2, 0, "page_first")
+    with pytest.raises((BackendSetupError, ValueError), match=match):
+        make_backend(pool, 2, 0, {**extra, **extra_over}, model_name=MODEL.name, **over)
+
+
+def test_refused_page_unified_layout(extra):
+    pool = make_pool(MODEL, 1, 0, "page_first")
+    pool.layout = "page_unified"  # SGLang's fused head-group layout: not a split NHD page
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        make_backend(pool, 1, 0, extra, model_name=MODEL.name)
+
+
+def test_staging_directory_sweeps_stale_fragments(extra):
+    writers = group(MODEL, 2, "page_first", extra)
+    keys = sglang_keys()
+    write(MODEL, writers[:1], 2, keys)
+    staging = writers[0][1].core.staging
+    dirs = [p for p in staging.root.iterdir() if p.is_dir()]
+    assert len(dirs) == 3
+    old = dirs[0].stat().st_mtime - 3600
+    os.utime(dirs[0], (old, old))
+    assert staging.sweep() == 1
