@@ -58,7 +58,9 @@ def vllm_skip_reason() -> str | None:
 @cache
 def sglang_skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
-        return "SGLang is not installed: `make test-sglang` runs tests/sglang_plugin in its own venv"
+        return (
+            "SGLang is not installed: `make test-sglang` runs tests/sglang_plugin in its own venv"
+        )
     return None
 
 

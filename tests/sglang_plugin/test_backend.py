@@ -124,7 +124,7 @@ def test_replicated_heads_tp4_to_tp1(extra):
     more = {**extra, "total_kv_heads": 2}
     writers = group(model, 4, "page_first_direct", more)
     keys = sglang_keys(model)
-    assert [b.core.writers for _, b in writers][0] == [0, 2]
+    assert [b.core.writers for _, b in writers] == [[0, 2]] * 4
     write(model, writers, 4, keys)
     ((pool, backend),) = group(model, 1, "page_first", more)
     sglang_keys(model)
@@ -229,7 +229,7 @@ def test_unknown_or_salted_sglang_keys_are_misses(extra, store_dir):
 
 def test_keys_follow_the_token_chain_across_calls(extra):
     """A chain SGLang hashes in two calls (prior hash) maps to the same canonical keys."""
-    ((pool, backend),) = group(MODEL, 1, "page_first", extra)
+    ((_, backend),) = group(MODEL, 1, "page_first", extra)
     page = MODEL.page_size
     head = get_storage_hash_str(TOKENS[:page], None, page_size=page)
     tail = get_storage_hash_str(TOKENS[page:], head[-1], page_size=page)
