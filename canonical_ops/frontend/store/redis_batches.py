@@ -21,11 +21,19 @@ misses too (and cleaned up).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from .encoding import MAGIC, CorruptUnit, decode_and_verify, header_length
+from .encoding import (
+    MAGIC,
+    CorruptUnit,
+    PayloadVerifier,
+    decode_and_verify,
+    decode_header,
+    header_length,
+)
 from .jobs import JobOutcome
 from .redis_chunks import (
     MANIFEST_MAGIC,
@@ -40,7 +48,7 @@ from .redis_chunks import (
 from .redis_connection import _Unavailable
 from .redis_index import _cover, _zrange, index_ops
 from .redis_records import _LoadReq, _StoreReq
-from .redis_wire import _deletes, _get, _Op
+from .redis_wire import _deletes, _get, _Into, _Landed, _Op
 
 # Rounds of one batched load: exact + index, covering units, their chunks, and
 # retries around units that turn out bad; each round resolves or excludes.
@@ -174,13 +182,31 @@ class _Publishing:
 class _Reading:
     """The load side of :class:`.RedisStore`: one batch in as few round trips as it needs."""
 
+    def _land(self, req: _LoadReq, header: bytes, payload: memoryview) -> _Landed:
+        """Verify the exact unit of ``req`` as it arrives; only then copy it into place."""
+        try:
+            unit = decode_header(
+                header, namespace=self.namespace, key=req.raw_key, first=req.first, end=req.end
+            )
+            if unit.payload_length != len(payload):
+                raise CorruptUnit(
+                    f"payload of {len(payload)} bytes, header says {unit.payload_length}"
+                )
+            verifier = PayloadVerifier(unit)
+            verifier.update(payload)
+            verifier.finish()
+        except CorruptUnit as bad:
+            return _Landed(len(header) + len(payload), bad.reason)
+        req.dest[:] = payload
+        return _Landed(len(header) + len(payload), None)
+
     def _load_units(self, reqs: list[_LoadReq]) -> list[JobOutcome]:
         loads = [_Load(req) for req in reqs]
         cleanup: list[_Op] = []
         deleted = 0
         ns = self.namespace
         keys = self._server_keys
-        roundtrip = self._connection.roundtrip
+        roundtrip = functools.partial(self._connection.roundtrip, direct=True)
         unavailable: str | None = None
 
         def exclude(
@@ -217,6 +243,15 @@ class _Reading:
                 return
             if isinstance(value, Exception):
                 exclude(ld, rng, f"unreadable: {value}", [], unindex=False)
+                return
+            if isinstance(value, _Landed):  # the exact unit: verified and placed on arrival
+                self._count("bytes_received", value.nbytes)
+                if value.problem is not None:
+                    self._count("corrupt_detected")
+                    exclude(ld, rng, f"corrupt: {value.problem}", [key])
+                    return
+                ld.done.add(rng)
+                self._count("units_loaded")
                 return
             self._count("bytes_received", len(value))
             head = bytes(value[:8])
@@ -258,8 +293,9 @@ class _Reading:
             ops = []
             for ld in loads:
                 r = ld.req
-                size = header_length(r.raw_key) + len(r.dest)
-                ops.append(_get(keys.unit(r.kd, r.first, r.end), size))
+                head = header_length(r.raw_key)
+                into = _Into(head, len(r.dest), functools.partial(self._land, r))
+                ops.append(_get(keys.unit(r.kd, r.first, r.end), head + len(r.dest), into))
                 ops.append(_zrange(keys.index(r.kd), now_ms))
             replies = roundtrip(ops)
             for i, ld in enumerate(loads):

@@ -36,11 +36,14 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .redis_wire import _PACKER, _deletes, _Op, _Parts
+from .redis_wire import _PACKER, _READ_BUFFER, _deletes, _Op, _Parts, direct_exchange
 
 # The tier has one logger, named after the module users know (its home before the split).
 _log = logging.getLogger(__package__ + ".redis_store")
 
+# Per thread, a value read directly lands in a reused buffer of up to this size (a
+# unit is at most max_value_bytes, 16 MiB by default; a bigger one gets a fresh buffer).
+_LANDING_RETAIN_BYTES = 128 << 20
 _SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 # Server unreachable, slow, or refusing us right now: the breaker counts these.
 _UNAVAILABLE = (
@@ -297,6 +300,7 @@ class RedisConnection:
         # creates its nodes' own, so there a unit is joined into one buffer first.
         self.zero_copy = not cluster
         self._lock = threading.Lock()
+        self._tls = threading.local()
         self._client: Any = None
         self._lookup_client: Any = None
 
@@ -389,12 +393,15 @@ class RedisConnection:
                     f"(Redis >= 7.0 or Valkey >= 7.2 required): {result}"
                 )
 
-    def _pipeline(self, client: Any, ops: Sequence[_Op]) -> list[Any]:
+    def _pipeline(self, client: Any, ops: Sequence[_Op], direct: bool = False) -> list[Any]:
         """Send ``ops`` as pipelines of at most ``max_pipeline_bytes``; replies in order.
 
         Error replies of single commands are returned in place; a failed round trip
-        raises (the caller decides what it means).
+        raises (the caller decides what it means). ``direct``: raw commands only
+        (``execute_command``), read by :func:`.redis_wire.direct_exchange` (values
+        land in their ``into`` targets) where the store made the connections.
         """
+        direct = direct and self.zero_copy and all(op.name == "execute_command" for op in ops)
         results: list[Any] = []
         start = 0
         while start < len(ops):
@@ -404,10 +411,13 @@ class RedisConnection:
             ):
                 size += ops[stop].size
                 stop += 1
-            pipe = client.pipeline(transaction=False)
-            for op in ops[start:stop]:
-                getattr(pipe, op.name)(*op.args, **op.kwargs)
-            replies = pipe.execute(raise_on_error=False)
+            if direct:
+                replies = self._direct(client, ops[start:stop])
+            else:
+                pipe = client.pipeline(transaction=False)
+                for op in ops[start:stop]:
+                    getattr(pipe, op.name)(*op.args, **op.kwargs)
+                replies = pipe.execute(raise_on_error=False)
             self._count("round_trips")
             for reply in replies:
                 if isinstance(reply, _UNAVAILABLE):
@@ -416,7 +426,33 @@ class RedisConnection:
             start = stop
         return results
 
-    def roundtrip(self, ops: Sequence[_Op], *, lookup: bool = False) -> list[Any]:
+    def _direct(self, client: Any, ops: Sequence[_Op]) -> list[Any]:
+        """One pipeline on a connection of ``client``'s pool, with its retries."""
+        buffer = getattr(self._tls, "read_buffer", None)
+        if buffer is None:  # per thread, reused: no page faults on every round trip
+            buffer = self._tls.read_buffer = bytearray(_READ_BUFFER)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return conn.retry.call_with_retry(
+                lambda: direct_exchange(conn, ops, buffer, self._landing_buffer),
+                lambda _error: conn.disconnect(),
+            )
+        finally:
+            pool.release(conn)
+
+    def _landing_buffer(self, nbytes: int) -> memoryview:
+        """This thread's buffer for one value read directly (reused: no page faults)."""
+        buffer = getattr(self._tls, "landing", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            if nbytes <= _LANDING_RETAIN_BYTES:
+                self._tls.landing = buffer
+        return memoryview(buffer)[:nbytes]
+
+    def roundtrip(
+        self, ops: Sequence[_Op], *, lookup: bool = False, direct: bool = False
+    ) -> list[Any]:
         """:meth:`_pipeline` through the breaker; raises :class:`_Unavailable` on failure."""
         if not ops:
             return []
@@ -424,7 +460,7 @@ class RedisConnection:
             raise _Unavailable("server skipped (circuit breaker open after failures)")
         try:
             data, fast = self.clients()
-            results = self._pipeline(fast if lookup else data, ops)
+            results = self._pipeline(fast if lookup else data, ops, direct)
         except _UNAVAILABLE as error:
             self._count("errors")
             if self.breaker.failure():

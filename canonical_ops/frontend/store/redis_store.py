@@ -335,7 +335,7 @@ class RedisStore(_Publishing, _Reading, TierBase):
         if raws:
             ops = lookup_ops(self._server_keys, raws, first, end)
             try:
-                replies = self._connection.roundtrip(ops, lookup=lookup)
+                replies = self._connection.roundtrip(ops, lookup=lookup, direct=True)
             except _Unavailable:
                 unavailable = True
                 replies = []
