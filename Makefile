@@ -137,3 +137,43 @@ $(VLLM_STAGE)/.installed: $(VLLM_VENV)/.requirements $(VLLM_BUILD_INPUTS)
 test-vllm: $(VLLM_STAGE)/.installed
 	$(vllm_stage_sources)
 	cd $(VLLM_STAGE) && $(VLLM_PY) -m pytest tests/vllm_plugin
+
+# tests/sglang_plugin against real SGLang: its own venv (.venv-sglang) with the sglang wheel from
+# PyPI installed --no-deps, plus the few packages that importing its HiCache storage interface,
+# host KV pools and page hashing needs (requirements-sglang.txt; SGLang's full set pulls its CUDA
+# kernels and flashinfer). canonical-kv is built (CPU kernels only: the tests run on CPU) in a
+# private copy of the sources ($(SGLANG_STAGE)), as for test-vllm. SGLang compiles its native page
+# hash with torch on first use (~30 s, cached under ~/.cache/torch_extensions).
+.PHONY: test-sglang
+SGLANG_VERSION ?= 0.5.23
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(abspath $(SGLANG_VENV))/bin/python
+SGLANG_STAGE := .cache/sglang-stage
+
+define sglang_stage_sources
+	mkdir -p $(SGLANG_STAGE)
+	rm -rf $(SGLANG_STAGE)/layouts $(SGLANG_STAGE)/tests $(SGLANG_STAGE)/canonical_ops/vllm \
+	  $(SGLANG_STAGE)/canonical_ops/frontend $(SGLANG_STAGE)/canonical_ops/sglang
+	rm -f $(SGLANG_STAGE)/canonical_ops/*.py
+	tar -cf - --exclude='*.so' --exclude=__pycache__ layouts canonical_ops tests/conftest.py \
+	  tests/helpers tests/sglang_plugin pyproject.toml | tar -xf - -C $(SGLANG_STAGE)
+endef
+
+$(SGLANG_VENV)/.requirements: requirements-sglang.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q -r requirements-sglang.txt
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	touch $@
+
+$(SGLANG_STAGE)/.installed: $(SGLANG_VENV)/.requirements $(VLLM_BUILD_INPUTS)
+	$(sglang_stage_sources)
+	rm -rf $(SGLANG_STAGE)/kernels
+	tar -cf - $(VLLM_BUILD_INPUTS) | tar -xf - -C $(SGLANG_STAGE)
+	cd $(SGLANG_STAGE) && CANONICAL_KV_BUILD_CUDA=0 $(SGLANG_PY) -m pip install -q \
+	  --no-build-isolation --no-deps -e .
+	touch $@
+
+test-sglang: $(SGLANG_STAGE)/.installed
+	$(sglang_stage_sources)
+	cd $(SGLANG_STAGE) && $(SGLANG_PY) -m pytest tests/sglang_plugin

@@ -166,3 +166,74 @@ def check_pages(model: Model, pool, tp: int, rank: int, slots: torch.Tensor, fir
         assert torch.equal(rows.view(bits), kv.view(bits)), (
             f"rank {rank}/{tp}: layer {first + local_layer} differs from the truth"
         )
+
+
+# ------------------------------------------------------------------ MLA
+
+
+def make_mla_pool(model: Model, layout: str):
+    """SGLang's own MLA host pool (the latent is the same on every TP rank); ``head_dim`` is
+    the latent width (kv_lora_rank + rope dims, split 3:1 here)."""
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device_tokens = 16 * model.page_size
+    rope = model.head_dim // 4
+    buffers = tuple(
+        torch.zeros(device_tokens, 1, model.head_dim, dtype=model.dtype)
+        for _ in range(model.layers)
+    )
+    info = MLABufferInfo(
+        buffers=buffers,
+        data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
+        layer_indices=tuple(range(model.layers)),
+        device_layer_num=model.layers,
+        page_size=model.page_size,
+        kv_lora_rank=model.head_dim - rope,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=model.head_dim,
+        dtype=model.dtype,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        model.page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_tokens,
+        start_layer=0,
+        end_layer=model.layers,
+        target_layer_num=model.layers,
+    )
+
+
+def _mla_rows(pool, layer: int, slots: torch.Tensor) -> tuple:
+    """Index of the ``[slots, width]`` latent rows of one layer, per layout."""
+    page = pool.page_size
+    if pool.layout == "layer_first":  # (L, slots, 1, W)
+        return (layer, slots, 0)
+    if pool.layout == "page_first":  # (slots, L, 1, W)
+        return (slots, layer, 0)
+    if pool.layout == "page_first_direct":  # (pages, L, P, 1, W)
+        return (slots // page, layer, slots % page, 0)
+    raise AssertionError(pool.layout)
+
+
+def mla_truth(model: Model, layer: int, tokens: int) -> torch.Tensor:
+    """(tokens, width) bits of the latent of positions [0, tokens)."""
+    return model.truth(layer, tokens)[0, :, 0]
+
+
+def fill_mla(model: Model, pool, slots: torch.Tensor) -> None:
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[_mla_rows(pool, layer, slots)] = mla_truth(model, layer, len(slots))
+
+
+def check_mla(model: Model, pool, slots: torch.Tensor) -> None:
+    for layer in range(pool.layer_num):
+        got = pool.kv_buffer[_mla_rows(pool, layer, slots)]
+        want = mla_truth(model, layer, len(slots))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {layer}"

@@ -14,7 +14,17 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang_harness import Model, check_pages, fill_pages, make_backend, make_pool, pool_rows
+from sglang_harness import (
+    Model,
+    check_mla,
+    check_pages,
+    fill_mla,
+    fill_pages,
+    make_backend,
+    make_mla_pool,
+    make_pool,
+    pool_rows,
+)
 
 from canonical_ops.frontend.store.token_keys import block_keys
 from canonical_ops.sglang import BackendSetupError
@@ -275,3 +285,36 @@ def test_staging_directory_sweeps_stale_fragments(extra):
     old = dirs[0].stat().st_mtime - 3600
     os.utime(dirs[0], (old, old))
     assert staging.sweep() == 1
+
+
+# ------------------------------------------------------------------ MLA
+
+
+@pytest.mark.parametrize(
+    ("writer_layout", "reader_layout"),
+    [("page_first", "layer_first"), ("page_first_direct", "page_first")],
+)
+def test_mla_tp4_to_tp2(extra, store_dir, writer_layout, reader_layout):
+    """The latent is replicated: rank 0 stores it whole (as SGLang elects it), no staging."""
+    model = Model(name="test/tiny-mla", head_dim=24)
+    writers = []
+    for rank in range(4):
+        pool = make_mla_pool(model, writer_layout)
+        writers.append(
+            (pool, make_backend(pool, 4, rank, extra, model_name=model.name, is_mla_model=True))
+        )
+    keys = sglang_keys(model)
+    assert [b.core.writers for _, b in writers] == [[0]] * 4
+    assert all(b.core.staging is None for _, b in writers)
+    pool, backend = writers[0]
+    slots = pool.alloc(len(TOKENS))
+    fill_mla(model, pool, slots)
+    assert backend.batch_set_v1(keys, slots) == [True] * 3
+    assert len(unit_files(store_dir)) == 3
+    for rank in range(2):
+        pool = make_mla_pool(model, reader_layout)
+        backend = make_backend(pool, 2, rank, extra, model_name=model.name, is_mla_model=True)
+        sglang_keys(model)
+        slots = pool.alloc(len(TOKENS))
+        assert backend.batch_get_v1(keys, slots) == [True] * 3
+        check_mla(model, pool, slots)
