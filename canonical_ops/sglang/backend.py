@@ -314,7 +314,11 @@ class CanonicalStorageCore:
         if self.staging is None:
             return self._publish(ckey, {self.tp_rank: local}, position)
         args = (ckey, self.first, self.end, self.tp_size)
-        self.staging.put(*args, self.tp_rank, local)
+        try:
+            self.staging.put(*args, self.tp_rank, local)
+        except OSError as error:
+            logger.warning("canonical-kv: fragment of %s not staged: %s", ckey.hex(), error)
+            return False
         if not self.staging.present(*args, self.writers):
             return True  # the last writer to arrive publishes the unit
         fragments = {}

@@ -318,3 +318,21 @@ def test_mla_tp4_to_tp2(extra, store_dir, writer_layout, reader_layout):
         slots = pool.alloc(len(TOKENS))
         assert backend.batch_get_v1(keys, slots) == [True] * 3
         check_mla(model, pool, slots)
+
+
+def test_package_imports_without_sglang_or_the_extension():
+    """`import canonical_ops.sglang` needs neither SGLang nor the compiled extension."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import canonical_ops.sglang as s\n"
+        "assert not any(m.startswith(('sglang.', 'canonical_ops._C')) for m in sys.modules)\n"
+        "try:\n"
+        "    s.CanonicalHiCacheStorage\n"
+        "except ImportError:\n"
+        "    print('lazy')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "lazy"
