@@ -105,7 +105,7 @@ class _Publishing:
             index += index_ops(self._server_keys.index(req.kd), req.first, req.end, ttl_ms)
             plans.append(plan)
         try:
-            replies = connection.roundtrip(ops + index)
+            replies = connection.roundtrip(ops + index, direct=True)
         except _Unavailable as why:
             self._count("stores_dropped", len(reqs))
             return [JobOutcome("error", detail=f"dropped: {why}") for _ in reqs]

@@ -48,7 +48,7 @@ from .encoding import (
 from .namespace import StoreNamespace
 from .redis_index import _Keys
 from .redis_records import _StoreReq
-from .redis_wire import _Op, _Parts
+from .redis_wire import _Op, _Parts, _set
 
 MANIFEST_MAGIC = b"CKVMANI\x00"
 _MANIFEST_VERSION = 1
@@ -102,6 +102,25 @@ def scratch_buffer(tls: threading.local, nbytes: int) -> memoryview:
     return memoryview(buffer)[:nbytes]
 
 
+class _Header:
+    """A unit's header, encoded when called (as its command is packed: see :class:`._Parts`)."""
+
+    __slots__ = ("namespace", "nbytes", "req")
+
+    def __init__(self, namespace: StoreNamespace, req: _StoreReq, nbytes: int) -> None:
+        self.namespace, self.req, self.nbytes = namespace, req, nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __call__(self) -> bytes:
+        r = self.req
+        header = encode_header(self.namespace, r.raw_key, r.first, r.end, r.position, r.payload)
+        if len(header) != self.nbytes:  # the bulk string's length is already on the wire
+            raise RuntimeError(f"header of {len(header)} bytes, expected {self.nbytes}")
+        return header
+
+
 def plan_values(
     req: _StoreReq,
     ops: list[_Op],
@@ -124,11 +143,8 @@ def plan_values(
     total = head + len(req.payload)
     plan = _Publish(req, len(ops))
     if total <= max_value_bytes and zero_copy:
-        header = encode_header(
-            namespace, req.raw_key, req.first, req.end, req.position, req.payload
-        )
-        value = _Parts(header, req.payload)
-        ops.append(_Op("set", key, value, nx=True, px=ttl_ms, size=total))
+        value = _Parts(_Header(namespace, req, head), req.payload)
+        ops.append(_set(key, value, px=ttl_ms, nx=True, size=total))
         plan.sent = total
     elif total <= max_value_bytes:
         # Copy first, then hash the copy (still in cache): the checksum covers
@@ -138,7 +154,7 @@ def plan_values(
         value[:head] = encode_header(
             namespace, req.raw_key, req.first, req.end, req.position, value[head:]
         )
-        ops.append(_Op("set", key, value, nx=True, px=ttl_ms, size=total))
+        ops.append(_set(key, value, px=ttl_ms, nx=True, size=total))
         plan.sent = total
     else:
         header = encode_header(
@@ -156,12 +172,12 @@ def plan_values(
         if ttl_ms is not None:
             pending_ms = min(pending_ms, ttl_ms)
         for chunk_key, piece in zip(plan.chunks, pieces):
-            ops.append(_Op("set", chunk_key, piece, px=pending_ms, size=len(piece)))
+            ops.append(_set(chunk_key, piece, px=pending_ms, size=len(piece)))
         plan.manifest = _MANIFEST.pack(
             MANIFEST_MAGIC, _MANIFEST_VERSION, 0, step, len(pieces) - 1, total, nonce
         )
         size = len(plan.manifest)
-        ops.append(_Op("set", key, plan.manifest, nx=True, get=True, px=ttl_ms, size=size))
+        ops.append(_set(key, plan.manifest, px=ttl_ms, nx=True, get=True, size=size))
         plan.sent = total + size
     return plan, scratch
 

@@ -134,15 +134,16 @@ def index_ops(index: str, first: int, end: int, ttl_ms: int | None) -> list[_Op]
     member = f"{first}-{end}".encode()
     now_ms = time.time() * 1000.0
     expiry = math.inf if ttl_ms is None else now_ms + ttl_ms
+    # Raw commands (what redis-py's zadd, ... would send): a direct round trip takes them.
     ops = [
-        _Op("zadd", index, {member: expiry}, gt=True),
-        _Op("zremrangebyscore", index, "-inf", f"({now_ms:.0f}"),
+        _Op("execute_command", "ZADD", index, "GT", expiry, member),
+        _Op("execute_command", "ZREMRANGEBYSCORE", index, "-inf", f"({now_ms:.0f}"),
     ]
     if ttl_ms is None:
-        ops.append(_Op("persist", index))
+        ops.append(_Op("execute_command", "PERSIST", index))
     else:  # NX: a new index gets the TTL; GT: an existing one only ever lives longer
-        ops.append(_Op("pexpire", index, ttl_ms, nx=True))
-        ops.append(_Op("pexpire", index, ttl_ms, gt=True))
+        ops.append(_Op("execute_command", "PEXPIRE", index, ttl_ms, "NX"))
+        ops.append(_Op("execute_command", "PEXPIRE", index, ttl_ms, "GT"))
     return ops
 
 

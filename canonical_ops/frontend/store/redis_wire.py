@@ -29,6 +29,20 @@ def _get(key: str, size: int, into: _Into | None = None) -> _Op:
     return _Op("execute_command", "GET", key, size=size, into=into)
 
 
+def _set(
+    key: str, value: Any, *, size: int, px: int | None = None, nx: bool = False, get: bool = False
+) -> _Op:
+    """``SET key value [PX px] [NX] [GET]`` as a raw command (direct round trips take it)."""
+    args: list[Any] = ["SET", key, value]
+    if px is not None:
+        args += ["PX", px]
+    if nx:
+        args.append("NX")
+    if get:
+        args.append("GET")
+    return _Op("execute_command", *args, size=size)
+
+
 def _deletes(keys: Sequence[str]) -> list[_Op]:
     """One DEL per key: a cluster pipeline refuses multi-key DEL (even within one slot)."""
     return [_Op("delete", key) for key in keys]
@@ -36,7 +50,13 @@ def _deletes(keys: Sequence[str]) -> list[_Op]:
 
 class _Parts:
     """One bulk-string argument given as consecutive buffers (a unit's header, then its
-    payload), sent one after the other: the value is never joined into one copy."""
+    payload), sent one after the other: the value is never joined into one copy.
+
+    A part may be a callable with a length (``len(part)`` bytes, made by
+    ``part()`` when the command is packed): a unit's header, whose checksum is
+    then computed just before it is sent (on a direct round trip, while the
+    server still reads the previous unit).
+    """
 
     __slots__ = ("nbytes", "parts")
 
@@ -69,7 +89,7 @@ class _PartsPacker:
         for arg in args:
             if isinstance(arg, _Parts):
                 out.append(b"$%d\r\n" % arg.nbytes)
-                out.extend(arg.parts)
+                out.extend(part() if callable(part) else part for part in arg.parts)
                 out.append(b"\r\n")
             else:
                 data = self._encode(arg)
@@ -229,6 +249,37 @@ class _Reader:
         raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r}")
 
 
+# Pieces of a packed command at least this big are sent on their own (no join).
+_SEND_ALONE = 1 << 16
+
+
+def _send(conn: Any, ops: Sequence[_Op]) -> None:
+    """Pack and send ``ops`` one after the other (small pieces joined per send).
+
+    Packing a command just before sending it lets the work it needs (a unit's
+    checksum) overlap the server reading the previous, still in the socket buffers.
+    """
+    pending: list[Any] = []
+    check_health = True
+
+    def flush(big: Any = None) -> None:
+        nonlocal pending, check_health
+        pieces = [b"".join(pending)] if pending else []
+        if big is not None:
+            pieces.append(big)
+        conn.send_packed_command(pieces, check_health=check_health)
+        pending, check_health = [], False
+
+    for op in ops:
+        for piece in conn.pack_command(*op.args):
+            if len(piece) >= _SEND_ALONE:
+                flush(piece)
+            else:
+                pending.append(piece)
+    if pending:
+        flush()
+
+
 # redis-py's mapping of error replies to exception classes (NOPERM, OOM, ...).
 _parse_error = BaseParser.parse_error
 
@@ -244,7 +295,7 @@ def direct_exchange(
     is dropped, so a half-read stream never serves the next command.
     """
     try:
-        conn.send_packed_command(conn.pack_commands([op.args for op in ops]))
+        _send(conn, ops)
         parser_buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
         if parser_buffer is not None and parser_buffer.unread_bytes():
             raise redis.exceptions.ConnectionError("unread bytes before a pipeline")
