@@ -292,6 +292,34 @@ def test_corrupt_value_is_a_counted_deleted_miss(store, admin, how) -> None:
     assert store.load(b"victim", 0, LAYERS, out).ok and np.array_equal(out, payload)
 
 
+# Units larger than the 1 MiB read buffer of the tier's direct replies.
+BIG = small_namespace(32, head_size=128, tp=1, total_heads=8, block_size=16)  # 2 MiB units
+
+
+@pytest.mark.parametrize("how", ["payload-bit", "truncated", "garbage"])
+def test_big_units_in_one_batch_around_a_corrupt_one(server, admin, how) -> None:
+    assert BIG.total_bytes == 2 << 20
+    payloads = [row(BIG, k) for k in range(3)]
+    with RedisStore(server.url, BIG) as store:
+        assert store.stores([StoreItem(k, 0, p, k) for k, p in enumerate(payloads)]).ok
+        corrupt(admin, store.unit_key(1, 0, BIG.num_layers), how)
+        sentinel = np.full(BIG.total_bytes, 0xA5, np.uint8)
+        outs = [sentinel.copy() for _ in payloads]
+        job = store.loads([LoadItem(k, 0, BIG.num_layers, o) for k, o in enumerate(outs)])
+        statuses = [o.status for o in job.value]
+        assert statuses == ["ok", "miss", "ok"], [o.detail for o in job.value]
+        assert "corrupt" in job.value[1].detail
+        assert np.array_equal(outs[0], payloads[0]) and np.array_equal(outs[2], payloads[2])
+        assert np.array_equal(outs[1], sentinel)  # verified before any byte is copied
+        # The same connection reads the next batch in step (no reply left behind).
+        outs = [np.zeros(BIG.total_bytes, np.uint8) for _ in range(2)]
+        job = store.loads([LoadItem(k, 0, BIG.num_layers, o) for k, o in zip((2, 0), outs)])
+        assert job.ok and np.array_equal(outs[0], payloads[2])
+        assert np.array_equal(outs[1], payloads[0])
+        m = store.metrics()
+        assert (m.hits, m.misses, m.corrupt_detected) == (4, 1, 1)
+
+
 def test_another_keys_unit_at_this_name_is_refused(store, admin) -> None:
     store.store(b"A", 0, row(NS, 1), 0)
     store.store(b"B", 0, row(NS, 2), 0)

@@ -16,7 +16,11 @@ The tier in parts (each module's docstring is the reference for its part):
 * :mod:`.redis_batches`: the round trips of a batched store and a batched
   load (every load verified before a byte reaches the destination);
 * :mod:`.redis_connection`: URLs, clients, timeouts, retries, the circuit
-  breaker, and the packer that sends a unit without joining it;
+  breaker, round trips (through redis-py, or direct);
+* :mod:`.redis_wire`: the commands; the packer that sends a unit without
+  joining it; the reader of direct round trips (a value read once, from the
+  kernel into a reused buffer, verified, then copied into its destination);
+* :mod:`.redis_records`: the items callers pass and the metrics they read;
 * this module: :class:`RedisStore`, the tier (arguments, jobs, counters).
 
 Only commands Valkey also has are used: GET, SET (NX, GET, PX), EXISTS, DEL,

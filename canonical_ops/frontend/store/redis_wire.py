@@ -1,4 +1,17 @@
-"""The Redis tier on the wire: pipeline commands, and a packer that sends a unit unjoined."""
+"""The Redis tier on the wire: commands, a packer, and a reader of replies.
+
+Stores, loads and lookups on connections the store made (standalone servers:
+not a cluster, whose client makes its own) take *direct* round trips
+(:func:`direct_exchange`): the commands are packed one after the other as they
+are sent (a unit's header, with its checksum, just before the unit: that work
+overlaps the server reading the previous one), a unit goes out as header +
+payload without being joined (:class:`_Parts`), and replies are read by
+:class:`_Reader`: a unit's value once, from the kernel into a reused buffer,
+handed to its load (:class:`_Into`) to be verified and only then copied into
+the destination. redis-py's own pipeline copies every value three times, into
+fresh memory (measured: most of a load's time). Connections, retries,
+timeouts and error classes stay redis-py's.
+"""
 
 from __future__ import annotations
 
