@@ -317,7 +317,7 @@ class CpuShim:
         so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64]
         so.shim_prefetch_items.restype = ctypes.c_int64
         so.shim_cpu_descriptor_copy.argtypes = (
-            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
         )
         so.shim_cpu_descriptor_copy.restype = None
         self.so = so
@@ -337,7 +337,7 @@ class CpuShim:
         fn = self.so.shim_cpu_descriptor_copy
 
         def copy(keep_alive=sides) -> None:  # the closure owns the arrays behind ptrs
-            fn(*ptrs, count, total, ahead, torch.get_num_threads())
+            fn(*ptrs, count, total, ahead, torch.get_num_threads(), int(store))
 
         return copy
 

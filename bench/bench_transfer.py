@@ -78,6 +78,7 @@ from _results import (
 )
 
 import canonical_ops
+from canonical_ops.plan import spec_geometry
 from layouts import LayerSpec, derive_group_mappings
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
@@ -256,7 +257,8 @@ class Setup:
     case: Case
     blocks: int
     layers: int
-    kv: list[torch.Tensor]
+    kv: list[torch.Tensor]  # uint8 (blocks, page) views
+    kv_typed: list[torch.Tensor]  # the same memory as the caches the spec describes
     pages: torch.Tensor
     plan: torch.Tensor
     frags: list[np.ndarray]
@@ -290,6 +292,13 @@ def needs(case: Case, blocks: int, layers: int) -> tuple[int, int, int]:
     )
 
 
+def typed_view(blocks: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """The cache ``spec`` describes, over a uint8 (num_blocks, page bytes) tensor's memory."""
+    shape, strides = spec_geometry(spec)
+    elements = blocks.view(getattr(torch, spec.dtype))
+    return elements.as_strided((blocks.shape[0], *shape), (elements.stride(0), *strides))
+
+
 def build_setup(ws: Workspace, case: Case, blocks: int, layers: int, seed: int = 0) -> Setup:
     mapping = case.mapping()
     frags = case.fragments()
@@ -303,7 +312,12 @@ def build_setup(ws: Workspace, case: Case, blocks: int, layers: int, seed: int =
     plan_split = case.split_bytes
     if ws.cuda and plan_split:
         plan_split = min(plan_split, CUDA_PLAN_MAX_FRAGMENT)
-    plan = canonical_ops.make_plan([mapping] * layers, kv, pages, max_fragment_bytes=plan_split)
+    # The op gets each layer as the typed cache its mapping was derived for (make_plan checks
+    # it); the baselines and the byte checks use byte views of the same memory.
+    kv_typed = [typed_view(t, case.spec) for t in kv]
+    plan = canonical_ops.make_plan(
+        [mapping] * layers, kv_typed, pages, max_fragment_bytes=plan_split
+    )
     areas = canonical_ops.default_area_offsets([mapping] * layers, 1)
     geo = bl.Geometry(
         frags=tuple([frags] * layers),
@@ -321,6 +335,7 @@ def build_setup(ws: Workspace, case: Case, blocks: int, layers: int, seed: int =
         blocks=blocks,
         layers=layers,
         kv=kv,
+        kv_typed=kv_typed,
         pages=pages,
         plan=plan,
         frags=[frags] * layers,
@@ -480,7 +495,7 @@ class Bench:
         tb = s.torch_baseline
         fns: dict[str, Callable[[], object]] = {}
         if not self.cuda:
-            fns["canonical"] = lambda: op(s.kv, s.pages, s.plan, s.block_ids, s.page_ids)
+            fns["canonical"] = lambda: op(s.kv_typed, s.pages, s.plan, s.block_ids, s.page_ids)
             fns["vllm_expand"] = lambda: exp.expand(s.block_np, s.page_np)
             if self.cpu_shim is not None and not host_sweep:
                 # vLLM-style on CPU: the expansion, then our copy loop over its descriptors.
@@ -504,7 +519,7 @@ class Bench:
 
         def canonical():
             ids_dev.copy_(ids_host, non_blocking=True)
-            op(s.kv, s.pages, s.plan, blocks_dev, pages_dev)
+            op(s.kv_typed, s.pages, s.plan, blocks_dev, pages_dev)
 
         fns["canonical"] = canonical
         fns["vllm_expand"] = lambda: exp.expand(s.block_np, s.page_np)

@@ -6,6 +6,7 @@ ids. The record layout is documented in kernels/include/canonical/plan.h.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -116,11 +117,21 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
         found = None
     if found == spec:
         return None
-    problems = []
     try:
         dtype = dtype_name(kv.dtype)
     except ValueError:
         dtype = str(kv.dtype).removeprefix("torch.")
+    mla_layout_ok = spec.attention != "mla" or (spec.packing, spec.order) == ("packed", "NHD")
+    if (
+        found is not None
+        and dtype == spec.dtype
+        and tuple(view.stride()[1:]) == strides
+        and mla_layout_ok
+    ):
+        # Both layouts address the same bytes (e.g. one token and one head per block:
+        # NHD is HND); from_tensor names the first, the tensor is exactly the spec's too.
+        return None
+    problems = []
     if dtype != spec.dtype:
         problems.append(
             f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
@@ -145,10 +156,42 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
     return "; ".join(problems)
 
 
+def whole_page_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
+    """What differs between ``kv`` and ``spec``'s page taken whole, or None if nothing.
+
+    The check of an opaque layer (stored whole, read back by the same topology only):
+    ``kv`` must hold ``spec``'s dtype and exactly one page of elements per block,
+    whatever their layout inside the block.
+    """
+    try:
+        dtype = dtype_name(kv.dtype)
+    except ValueError:
+        dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype != spec.dtype:
+        return (
+            f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
+            f"({kv.element_size()} bytes per element)"
+        )
+    block_bytes = math.prod(kv.shape[1:]) * kv.element_size()
+    if block_bytes != spec.page_size_bytes:
+        return (
+            f"{spec.page_size_bytes} bytes per block ({spec.num_kv_heads} heads x "
+            f"{spec.num_states} tokens x {spec.state_bytes} bytes), got shape "
+            f"{tuple(kv.shape)}: {block_bytes} bytes per block"
+        )
+    return None
+
+
 def _check_layer_tensor(
     layer: int, mapping: CanonicalPageMapping, kv: torch.Tensor, spec: LayerSpec | None
 ) -> None:
-    """``kv_caches[layer]`` is the tensor ``mapping`` (and ``spec``, when given) describe."""
+    """``kv_caches[layer]`` is the tensor ``mapping`` was derived for (and ``spec``, when given).
+
+    A mapping derived by ``layouts`` carries its page (``mapping.derived_for``): the
+    tensor must be exactly that page's layout (certified mappings) or hold that page
+    whole per block (opaque ones). A hand-built mapping without one is checked for
+    fit in the block stride only, unless ``spec`` describes the tensor.
+    """
     name = f"kv_caches[{layer}]"
     block_stride = kv.stride(0) * kv.element_size()
     if mapping.local_page_size_bytes > block_stride:
@@ -156,18 +199,29 @@ def _check_layer_tensor(
             f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes does "
             f"not fit {name}'s block stride of {block_stride} bytes"
         )
-    if spec is None:
-        return
-    if not isinstance(spec, LayerSpec):
+    if spec is not None and not isinstance(spec, LayerSpec):
         raise TypeError(f"specs[{layer}]: expected a LayerSpec or None, got {type(spec).__name__}")
-    if mapping.local_page_size_bytes != spec.page_size_bytes:
+    derived = mapping.derived_for
+    if spec is not None and derived is not None and spec != derived:
+        raise ValueError(
+            f"specs[{layer}]: expected the page mappings[{layer}] was derived for ({derived}), "
+            f"got {spec}"
+        )
+    if spec is None and derived is None:
+        return
+    described = spec if spec is not None else derived
+    source = f"specs[{layer}]" if spec is not None else f"mappings[{layer}] (derived for it)"
+    if mapping.local_page_size_bytes != described.page_size_bytes:
         raise ValueError(
             f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes, but "
-            f"specs[{layer}] describes pages of {spec.page_size_bytes} bytes"
+            f"{source} describes pages of {described.page_size_bytes} bytes"
         )
-    problem = spec_mismatch(kv, spec)
+    if spec is None and mapping.fallback_reason is not None:
+        problem = whole_page_mismatch(kv, described)
+    else:
+        problem = spec_mismatch(kv, described)
     if problem is not None:
-        raise ValueError(f"{name}: does not match specs[{layer}]: expected {problem}")
+        raise ValueError(f"{name}: does not match {source}: expected {problem}")
 
 
 def build_plan_words(
@@ -329,11 +383,15 @@ def make_plan(
         Split fragments above this size into work items (multiple of 16).
         Default: 2048 on CUDA (load balance), no split on CPU.
     specs : sequence of LayerSpec or None, optional
-        What each kv cache tensor is (this rank's page). Where given,
-        ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
-        ``specs[l]`` (dtype, packing, order, heads, block and head size) and the
-        mapping's local page must be the spec's page. Where None (or no specs),
-        only the local page's fit in the block stride is checked.
+        What each kv cache tensor is (this rank's page), for mappings that do not
+        carry it. A mapping derived by ``layouts`` carries the page it was derived
+        for (``mapping.derived_for``) and is always checked against it: a spec
+        given here must then be that same page. Where a layer has a page (either
+        way), ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
+        that page (dtype, packing, order, heads, block and head size; an opaque
+        mapping: its dtype and one whole page per block) and the mapping's local
+        page must be the page's size. A hand-built mapping with no spec is checked
+        for fit in the block stride only.
 
     Returns
     -------

@@ -225,8 +225,24 @@ std::vector<int64_t> copy_ids(const at::Tensor& ids) {
 
 // Refuses an id that appears twice: the destinations of one call must be distinct
 // (two copies into one destination would leave an undefined mix of two sources).
-void check_unique(const char* name, const std::vector<int64_t>& ids, const char* why) {
+// `ids` are already range-checked against [0, bound): a bitmap of the range finds a
+// repeat in one pass when the range is not much larger than the call; otherwise (or
+// to name the two positions once a repeat is seen) a sort.
+void check_unique(const char* name, const std::vector<int64_t>& ids, int64_t bound,
+                  const char* why) {
   if (ids.size() < 2) return;
+  const int64_t bitmap_words = bound / 64 + 1;
+  if (bitmap_words <= 4 * static_cast<int64_t>(ids.size()) + 4096) {
+    std::vector<uint64_t> seen(static_cast<size_t>(bitmap_words), 0);
+    bool repeated = false;
+    for (const int64_t id : ids) {
+      uint64_t& word = seen[static_cast<size_t>(id >> 6)];
+      const uint64_t bit = uint64_t{1} << (id & 63);
+      repeated |= (word & bit) != 0;
+      word |= bit;
+    }
+    if (!repeated) return;
+  }
   std::vector<std::pair<int64_t, int64_t>> sorted(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) sorted[i] = {ids[i], static_cast<int64_t>(i)};
   std::sort(sorted.begin(), sorted.end());
@@ -481,7 +497,9 @@ CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tenso
                         ": expected 0 <= block id < ", min_blocks, " (blocks of kv_caches[",
                         min_layer, "])");
     }
-    if (!store) check_unique("block_ids", info.block_ids, "block ids in a load (destinations)");
+    if (!store) {
+      check_unique("block_ids", info.block_ids, min_blocks, "block ids in a load (destinations)");
+    }
   }
   if (info.page_ids_on_host) {
     info.page_ids = copy_ids(page_ids);
@@ -491,7 +509,9 @@ CallInfo validate_call(const char* op, at::TensorList kv_caches, const at::Tenso
                         ": expected 0 <= page id < ", info.num_pages, " (", info.num_rows,
                         " cpu_pages rows x ", host_plan.header(kPagesPerRow), " pages per row)");
     }
-    if (store) check_unique("page_ids", info.page_ids, "page ids in a store (destinations)");
+    if (store) {
+      check_unique("page_ids", info.page_ids, info.num_pages, "page ids in a store (destinations)");
+    }
   }
   return info;
 }

@@ -169,6 +169,7 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
             num_writers=ctx.tp_size // ctx.dcp_size,
             writer_index=ctx.tp_rank // ctx.dcp_size,
             parallelism_agnostic=ctx.cp_size == 1,
+            derived_for=spec,
         )
 
     total, tp = ctx.total_kv_heads, ctx.tp_size
@@ -198,6 +199,7 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
         num_writers=replication // ctx.dcp_size,
         writer_index=(ctx.tp_rank % replication) // ctx.dcp_size,
         parallelism_agnostic=ctx.cp_size == 1,
+        derived_for=spec,
     )
 
 
@@ -221,12 +223,19 @@ def certification_failure(spec: LayerSpec | None, ctx: RankContext) -> str | Non
 
 
 def opaque_fallback_mapping(
-    page_size_bytes: int, num_ranks: int, rank: int
+    page_size_bytes: int,
+    num_ranks: int,
+    rank: int,
+    *,
+    derived_for: LayerSpec | None = None,
+    fallback_reason: str = "stored opaquely",
 ) -> CanonicalPageMapping:
     """Fallback: the rank's page stored whole at the rank-exclusive offset ``rank * page_size``.
 
     Readable only by the same topology, which is why it is never certified as
-    parallelism agnostic.
+    parallelism agnostic. ``derived_for``: the page it stands for, when known
+    (:func:`derive_group_mappings` passes the layer's spec); ``fallback_reason``:
+    why the layer is opaque.
     """
     # A 0-byte page (a block shorter than one compressed state) is legal, as in vLLM.
     if page_size_bytes < 0:
@@ -235,6 +244,11 @@ def opaque_fallback_mapping(
         raise ValueError(f"num_ranks: expected a positive int, got {num_ranks!r}")
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank: expected an int in [0, {num_ranks}), got {rank!r}")
+    if derived_for is not None and derived_for.page_size_bytes != page_size_bytes:
+        raise ValueError(
+            f"derived_for: expected a LayerSpec of {page_size_bytes}-byte pages, got one of "
+            f"{derived_for.page_size_bytes} bytes"
+        )
     run = CopyRun(0, rank * page_size_bytes, page_size_bytes, 1, page_size_bytes, page_size_bytes)
     return CanonicalPageMapping(
         canonical_page_size_bytes=num_ranks * page_size_bytes,
@@ -243,6 +257,8 @@ def opaque_fallback_mapping(
         num_writers=1,
         writer_index=0,
         parallelism_agnostic=False,
+        derived_for=derived_for,
+        fallback_reason=str(fallback_reason),
     )
 
 
@@ -292,10 +308,17 @@ def _verified_group_mappings(
         RankContext(tp_size, total_kv_heads, rank, dcp_size, pcp_size, interleave)
         for rank in range(tp_size * pcp_size)
     ]
-    derived = [derive_layer_mapping(spec, ctx) for ctx in contexts]
-    if any(mapping is None for mapping in derived):
+    derived = [_derive(spec, ctx) for ctx in contexts]
+    reason = next((result for result in derived if isinstance(result, str)), None)
+    if reason is not None:
         derived = [
-            opaque_fallback_mapping(spec.page_size_bytes, len(contexts), ctx.rank)
+            opaque_fallback_mapping(
+                spec.page_size_bytes,
+                len(contexts),
+                ctx.rank,
+                derived_for=spec,
+                fallback_reason=reason,
+            )
             for ctx in contexts
         ]
     mappings = tuple(derived)

@@ -11,10 +11,14 @@ that agree on them write the same bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .spec import LayerSpec
 
 __all__ = ["CanonicalPageMapping", "CopyRun", "coalesce_runs"]
 
@@ -68,6 +72,21 @@ class CanonicalPageMapping:
     parallelism_agnostic : bool
         True when the canonical bytes are the same under any TP with this block
         span (no context parallelism folded into the page).
+    derived_for : LayerSpec | None
+        The rank's page this mapping was derived for (dtype and element size,
+        packing, order, heads per rank, block size, head size). Every mapping
+        that ``layouts`` derives carries it, and ``canonical_ops.make_plan``
+        refuses a kv tensor that is not that page, so a mapping can never move
+        the bytes of a tensor it does not describe. None only for mappings built
+        by hand (e.g. from another program's runs): those are checked for fit alone.
+    fallback_reason : str | None
+        Why the layer is stored opaquely (the rank's page whole, readable by the
+        same topology only), or None for a certified mapping. An opaque mapping's
+        tensor must hold ``derived_for``'s dtype and exactly its page per block,
+        whatever its layout inside the block.
+
+    ``derived_for`` and ``fallback_reason`` describe the mapping; they take no
+    part in equality, so mappings compare by their bytes (as vLLM's do).
     """
 
     canonical_page_size_bytes: int
@@ -76,6 +95,8 @@ class CanonicalPageMapping:
     num_writers: int
     writer_index: int
     parallelism_agnostic: bool
+    derived_for: LayerSpec | None = field(default=None, compare=False, repr=False)
+    fallback_reason: str | None = field(default=None, compare=False, repr=False)
 
     def is_writer(self, page_id: int) -> bool:
         """Whether this rank stores canonical page ``page_id`` (rotation by page)."""

@@ -14,6 +14,7 @@ a test failure rather than the end of the test run.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -293,8 +294,13 @@ def test_make_plan_refuses_tp8_mapping_on_two_head_tensor():
 def test_make_plan_refuses_mapping_page_other_than_spec_page():
     spec, kv = readme_cache()
     other = derive_group_mappings(LayerSpec("full", 4, 1, 8, "bfloat16", "packed", "NHD"), 8, 8)
-    with pytest.raises(ValueError, match=r"mappings\[0\].*specs\[0\]"):
+    # A derived mapping knows its page: a spec naming another one is refused as such.
+    with pytest.raises(ValueError, match=r"specs\[0\]: expected the page mappings\[0\] was"):
         canonical_ops.make_plan([other[0]], [kv], _one_layer_pages(other[0]), specs=[spec])
+    # A hand-built mapping (no page of its own) whose page is not the spec's.
+    bare = dataclasses.replace(other[0], derived_for=None)
+    with pytest.raises(ValueError, match=r"mappings\[0\].*specs\[0\]"):
+        canonical_ops.make_plan([bare], [kv], _one_layer_pages(bare), specs=[spec])
 
 
 def test_make_plan_specs_argument_checked():
@@ -305,8 +311,10 @@ def test_make_plan_specs_argument_checked():
         canonical_ops.make_plan([mapping], [kv], pages, specs=[spec, spec])
     with pytest.raises(TypeError, match=r"specs\[0\]"):
         canonical_ops.make_plan([mapping], [kv], pages, specs=["NHD"])
-    plan = canonical_ops.make_plan([mapping], [kv], pages, specs=[None])  # None: fit only
+    plan = canonical_ops.make_plan([mapping], [kv], pages, specs=[None])  # the mapping's own
     assert plan.dtype == torch.int64
+    with pytest.raises(ValueError, match=r"kv_caches\[0\].*derived for it"):  # still checked
+        canonical_ops.make_plan([mapping], [kv.contiguous()], pages, specs=[None])
 
 
 @pytest.mark.parametrize("change", ["contiguous", "dtype", "shape"])

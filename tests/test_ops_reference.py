@@ -7,6 +7,7 @@ tests check the ops end to end against ``layout_truth`` (first principles).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -260,21 +261,26 @@ def test_zero_pairs_touch_nothing():
 
 
 def test_ops_move_bytes_of_any_dtype_view():
-    """Plans built for uint8 / int16 views of bf16 caches move the same bytes; a plan refuses
-    a view of another dtype than the one it was built for (it records each tensor)."""
+    """A derived mapping refuses uint8 / int16 views of the bf16 cache it was derived for;
+    the same runs in a hand-built mapping (no page of its own) move the same bytes through
+    such views; a plan refuses a view of another dtype than the one it was built for (it
+    records each tensor)."""
     rng = np.random.default_rng(1)
     spec = LayerSpec("full", 4, 2, 16, "bfloat16", "split", "HND")
-    mapping = derive_group_mappings(spec, 2, 4)[1]
+    derived = derive_group_mappings(spec, 2, 4)[1]
+    mapping = dataclasses.replace(derived, derived_for=None)
     cache = make_kv_cache(spec, 6, rng, pad_bytes=6)
     layout = PageLayout.default([mapping], 1)
     pages = make_pages(5, layout.row_bytes, rng)
-    bf16_plan = canonical_ops.make_plan([mapping], [cache.tensor], pages.tensor)
+    bf16_plan = canonical_ops.make_plan([derived], [cache.tensor], pages.tensor)
     blocks, page_ids = np.array([4, 0, 2]), np.array([3, 1, 4])
     b, p = ids_tensor(blocks), ids_tensor(page_ids)
     for view in (cache.base, cache.base.view(torch.int16)):
         assert view.stride(0) * view.element_size() == cache.block_stride_bytes
         with pytest.raises(ValueError, match=r"kv_caches\[0\]: plan built for a BFloat16"):
             canonical_ops.store([view], pages.tensor, bf16_plan, b, p)
+        with pytest.raises(ValueError, match=r"kv_caches\[0\]: does not match mappings\[0\]"):
+            canonical_ops.make_plan([derived], [view], pages.tensor)
         plan = canonical_ops.make_plan([mapping], [view], pages.tensor)
         expected = pages.host_bytes()
         ref_store(layout, [cache.host_bytes()], expected, pages, blocks, page_ids)

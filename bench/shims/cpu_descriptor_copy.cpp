@@ -13,8 +13,8 @@ extern "C" int64_t shim_prefetch_items(int64_t bytes_per_pair, int64_t fragments
 
 extern "C" void shim_cpu_descriptor_copy(const int64_t* src, const int64_t* dst,
                                          const int64_t* size, int64_t count, int64_t total_bytes,
-                                         int64_t lookahead, int threads) {
-  const bool streaming = total_bytes >= canonical::kStreamingCallBytes;
+                                         int64_t lookahead, int threads, int store) {
+  const bool streaming = total_bytes >= canonical::streaming_call_bytes(store != 0);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();

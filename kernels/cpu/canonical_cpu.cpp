@@ -10,10 +10,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "canonical/checked.h"
@@ -72,6 +76,57 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& body) {
   body(begin, std::min(end, begin + chunk));
   for (; first < end; first += chunk) body(first, std::min(end, first + chunk));
   for (auto& helper : helpers) helper.join();
+}
+
+// Verified private copies of CPU plans, by plan identity (storage, offset, length),
+// so that verification runs once per plan rather than once per call. The words a
+// call follows are always the cached copy, and a call uses it only if the plan
+// tensor still holds exactly those words (one memcmp, a small fraction of the
+// verification it saves): a plan edited in place, with or without a version bump,
+// is copied and verified again. The weak reference to the storage keeps its
+// address from being reused by another tensor while the entry exists.
+struct VerifiedPlan {
+  std::shared_ptr<const std::vector<int64_t>> words;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+};
+using PlanIdentity = std::tuple<const void*, int64_t, int64_t>;  // storage impl, offset, numel
+constexpr size_t kMaxCachedPlans = 256;
+
+std::mutex& plan_cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<PlanIdentity, VerifiedPlan>& plan_cache() {
+  static std::map<PlanIdentity, VerifiedPlan> cache;
+  return cache;
+}
+
+std::shared_ptr<const std::vector<int64_t>> verified_cpu_plan(const at::Tensor& plan) {
+  const int64_t* user_words = plan.data_ptr<int64_t>();
+  const int64_t num_words = plan.numel();
+  const size_t num_bytes = static_cast<size_t>(num_words) * sizeof(int64_t);
+  const PlanIdentity identity{plan.storage().unsafeGetStorageImpl(), plan.storage_offset(),
+                              num_words};
+  {
+    const std::lock_guard<std::mutex> lock(plan_cache_mutex());
+    const auto found = plan_cache().find(identity);
+    if (found != plan_cache().end() && !found->second.storage.expired() &&
+        std::memcmp(found->second.words->data(), user_words, num_bytes) == 0) {
+      return found->second.words;
+    }
+  }
+  auto words = std::make_shared<const std::vector<int64_t>>(user_words, user_words + num_words);
+  verify_plan_words(words->data(), num_words);  // throws: nothing is cached
+  const std::lock_guard<std::mutex> lock(plan_cache_mutex());
+  auto& cache = plan_cache();
+  if (cache.size() >= kMaxCachedPlans) {
+    for (auto it = cache.begin(); it != cache.end();) {
+      it = it->second.storage.expired() ? cache.erase(it) : std::next(it);
+    }
+    if (cache.size() >= kMaxCachedPlans) cache.erase(cache.begin());
+  }
+  cache.insert_or_assign(identity, VerifiedPlan{words, plan.storage().getWeakStorageImpl()});
+  return words;
 }
 
 struct CopyDescriptor {
@@ -134,12 +189,10 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
                     "plan: expected a contiguous 1-D tensor from canonical_ops.make_plan");
   TORCH_CHECK_VALUE(plan.device().is_cpu(), "plan: expected a CPU tensor like kv_caches, got ",
                     plan.device().str());
-  // A CPU plan is host memory the caller can change at any time: copy it once,
-  // verify the copy, and follow only the copy (cheap next to the copy itself).
-  const int64_t* user_words = plan.data_ptr<int64_t>();
-  const std::vector<int64_t> words(user_words, user_words + plan.numel());
-  verify_plan_words(words.data(), static_cast<int64_t>(words.size()));
-  const PlanView view{words.data()};
+  // A CPU plan is host memory the caller can change at any time: the kernel follows
+  // a private, verified copy, found again by the plan's identity and contents.
+  const std::shared_ptr<const std::vector<int64_t>> words = verified_cpu_plan(plan);
+  const PlanView view{words->data()};
   // The ids the kernel follows are validate_call's private, checked copies.
   const CallInfo info =
       validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view, store);
@@ -161,7 +214,7 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
 
   int64_t call_bytes = 0;
   const bool streaming = !checked_mul(info.num_pairs, bytes_per_pair, &call_bytes) ||
-                         call_bytes >= kStreamingCallBytes;
+                         call_bytes >= streaming_call_bytes(store);
   const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -16,14 +18,45 @@
 
 namespace canonical {
 
-// Calls moving at least this much use streaming (non-temporal) stores into
-// their destination, which is then far larger than the caches: write-allocate
-// reads would add a third memory pass next to the read and the write-back.
+// Calls moving at least streaming_call_bytes() use streaming (non-temporal)
+// stores into their destination, which is then larger than the caches: write-
+// allocate reads would add a third memory pass next to the read and the write-back.
 // Stores: cpu_pages, where a TP rank's fragments are also sparse (2x faster
-// for 256 B - 4 KiB fragments here). Loads: the kv blocks, which consecutive
-// fragments fill densely, so the write-combining buffers drain whole lines
-// (1.2-1.3x for sparse 256 B loads here, measured with 2 threads).
-constexpr int64_t kStreamingCallBytes = 4 << 20;
+// for 256 B - 4 KiB fragments here) and sit at the same offsets of pages whose
+// size is a power of two, so they fall into a few cache sets: plain stores there
+// thrash the cache even when the call is smaller than it (a 4 MiB TP=8 store:
+// 4 ms plain, 0.17 ms streamed), hence streaming from kMinStreamingCallBytes.
+// Loads: the kv blocks, which consecutive fragments fill densely, so the write-
+// combining buffers drain whole lines (1.2-1.3x for sparse 256 B loads here,
+// measured with 2 threads); but a load's destination that fits the last-level
+// cache is better left there (a 4 MiB load: 2.2x faster with plain stores), so
+// loads stream from the cache's size on, as sysfs reports it (glibc's sysconf
+// reads cpuid, which some VMs fill with the host's figure: 320 MiB here),
+// within [kMinStreamingCallBytes, kMaxStreamingCallBytes].
+constexpr int64_t kMinStreamingCallBytes = 4 << 20;
+constexpr int64_t kMaxStreamingCallBytes = 64 << 20;
+
+// Size in bytes of the largest cache level sysfs lists for cpu0 (0 if none).
+inline int64_t last_level_cache_bytes() {
+  int64_t best_level = 0, best_bytes = 0;
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    std::ifstream level_file(dir + "/level"), size_file(dir + "/size");
+    int64_t level = 0, size = 0;
+    char unit = 0;
+    if (!(level_file >> level) || !(size_file >> size)) continue;
+    size_file >> unit;  // "32768K", "32M"
+    size *= unit == 'K' ? 1024 : unit == 'M' ? 1024 * 1024 : 1;
+    if (level > best_level) best_level = level, best_bytes = size;
+  }
+  return best_bytes;
+}
+
+inline int64_t streaming_call_bytes(bool store) {
+  static const int64_t load_bytes =
+      std::clamp<int64_t>(last_level_cache_bytes(), kMinStreamingCallBytes, kMaxStreamingCallBytes);
+  return store ? kMinStreamingCallBytes : load_bytes;
+}
 
 // Loads prefetch the canonical source about this many bytes of work ahead:
 // a TP rank's fragments are scattered over pages in random order, which no
