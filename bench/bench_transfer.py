@@ -697,6 +697,8 @@ class Bench:
             else:
                 limit = min((t[k] for k in CPU_LIMITS), key=lambda x: x.time_s)
             methods = {"limit": self._entry(limit, s.bytes, limit, "limit")}
+            if not self.cuda:  # the plain torch copy_ alone: what #18's goals compare with
+                methods["torch_copy"] = self._entry(t[CPU_LIMITS[0]], s.bytes, limit, "torch_copy")
             for key, timing in t.items():
                 if key.direction == direction and key.method != "limit":
                     methods[key.method] = self._entry(timing, s.bytes, limit, key.method)

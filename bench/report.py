@@ -158,6 +158,22 @@ GOALS: tuple[Goal, ...] = (
         text="canonical ≥ {limit[ratio]} limit at {sizes} ({dest}: {case})",
     ),
     Goal(
+        id="cpu-4k-vs-torch-copy",
+        device="cpu",
+        metric="canonical_vs_torch_copy",
+        threshold=(Bound("ratio", ">=", 1.0, "×"),),
+        cases=Cases(kinds=("sparse",), min_fragment=4096, max_fragment=4096),
+        text="canonical ≥ {limit[ratio]} torch copy_ of the same bytes at {sizes} ({dest}: {case})",
+    ),
+    Goal(
+        id="cpu-256b-vs-torch-copy",
+        device="cpu",
+        metric="canonical_vs_torch_copy",
+        threshold=(Bound("ratio", ">=", 0.8, "×"),),
+        cases=Cases(kinds=("sparse",), min_fragment=256, max_fragment=256),
+        text="canonical ≥ {limit[ratio]} torch copy_ of the same bytes at {sizes} ({dest}: {case})",
+    ),
+    Goal(
         id="cpu-whole-pages",
         device="cpu",
         metric="canonical_vs_limit",
@@ -353,6 +369,21 @@ def canonical_vs_limit_with_pre_expanded(row: dict, direction: str | None) -> Me
     return found
 
 
+def canonical_vs_torch_copy(row: dict, direction: str | None) -> Measurement | None:
+    """Torch ``copy_`` time / canonical time of one case (``ratio``; CPU): the lower of
+    store and load, both shown."""
+    ratios = {}
+    for d in DIRECTIONS:
+        ours, torch_copy = _ratio(row, d), _ratio(row, d, "torch_copy")
+        if ours is None or torch_copy is None:
+            return None
+        ratios[d] = ours / torch_copy  # both are limit time / their time
+    store, load = ratios["store"], ratios["load"]
+    return Measurement(
+        {"ratio": min(store, load)}, f"store {store:.2f}×, load {load:.2f}×", _case_fields(row)
+    )
+
+
 def canonical_vs_vllm_batch(row: dict, direction: str | None) -> Measurement | None:
     """Canonical GB/s / vLLM-style cuMemcpyBatchAsync GB/s of one case (``speedup``)."""
     ours = row.get(direction, {}).get("canonical", {})
@@ -406,6 +437,7 @@ METRICS: dict[str, Callable[..., Measurement | None]] = {
     "canonical_vs_limit": canonical_vs_limit,
     "canonical_vs_limit_with_pre_expanded": canonical_vs_limit_with_pre_expanded,
     "canonical_vs_vllm_batch": canonical_vs_vllm_batch,
+    "canonical_vs_torch_copy": canonical_vs_torch_copy,
     "enqueue_vs_blocks": enqueue_vs_blocks,
     "expansion_vs_call": expansion_vs_call,
 }
