@@ -24,6 +24,7 @@ from .derive import (
     opaque_fallback_mapping,
 )
 from .mapping import CanonicalPageMapping, CopyRun
+from .quant import KVScales, derive_scaled_group_mappings
 from .spec import LayerSpec, RankContext
 from .tiling import TilingError, verify_tiling
 
@@ -31,6 +32,7 @@ __all__ = [
     "CANONICAL_FORMAT_VERSION",
     "CanonicalPageMapping",
     "CopyRun",
+    "KVScales",
     "LayerSpec",
     "RankContext",
     "TilingError",
@@ -38,6 +40,7 @@ __all__ = [
     "certification_failure",
     "derive_group_mappings",
     "derive_layer_mapping",
+    "derive_scaled_group_mappings",
     "opaque_fallback_mapping",
     "verify_tiling",
 ]

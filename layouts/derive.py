@@ -152,7 +152,10 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
             f"when context parallelism is used (dcp*pcp={ctx.cp_size})"
         )
     if spec.per_token_head_scales:
-        return "per-token-head quantisation scales are not part of canonical format v1"
+        return (
+            "per-token-head quantisation scales inside the page are not part of canonical "
+            "format v1 (scales in a companion tensor are: layouts.KVScales)"
+        )
     if spec.tokens_per_state != 1:
         return f"tokens_per_state={spec.tokens_per_state} (only 1 is certified)"
     page = spec.page_size_bytes

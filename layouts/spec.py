@@ -108,8 +108,10 @@ class LayerSpec:
     order : {"NHD", "HND"}
         Stride order inside the page: token-major or head-major.
     per_token_head_scales : bool
-        The cache is quantised with per-(token, head) scales; such pages are never
-        certified (the scales are not part of the canonical format v1).
+        The page itself holds per-(token, head) quantisation scales (e.g. vLLM's
+        inline layout); such pages are never certified (where the scales sit is
+        not described). Scales in a companion tensor are certified instead:
+        :class:`layouts.KVScales`.
     tokens_per_state : int | Fraction
         Tokens covered by one stored state; anything but 1 is never certified.
     """

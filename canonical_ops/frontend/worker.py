@@ -29,6 +29,16 @@ otherwise appends the group topology and a digest of the opaque layers'
 physical pages, so two topologies never share a namespace. Neither includes
 the model: combine it with the model's identity (name, revision, KV dtype)
 as you would for any KV store.
+
+Quantised KV
+------------
+A quantised layer (``float8_e4m3fn``, ``float8_e5m2``, ``int8``) is a layer of
+that dtype; ``scales[l]`` (``layouts.KVScales``) says how it is scaled. With
+per-token-head scales, ``scale_caches[l]`` is the layer's scale tensor
+(``KVScales.page_spec``): the plan moves it right after the layer's data, so
+a layer's area in a row is its data page, then its scale page (what a store
+namespace built with the same scales expects of a unit). Per-tensor scales
+move no bytes: they belong in the store namespace.
 """
 
 from __future__ import annotations
@@ -46,13 +56,16 @@ import torch
 from layouts import (
     CANONICAL_FORMAT_VERSION,
     CanonicalPageMapping,
+    KVScales,
     LayerSpec,
     RankContext,
     canonical_format_id,
     certification_failure,
     derive_group_mappings,
+    derive_scaled_group_mappings,
     opaque_fallback_mapping,
 )
+from layouts.quant import scales_mismatch
 
 from ..checks import check_ids, check_int
 from ..ops import CudaJobPools, check_unique_ids
@@ -161,6 +174,67 @@ def _storage_namespace(
     )
 
 
+def _check_scales(
+    kv_caches: Sequence[torch.Tensor],
+    specs: Sequence[LayerSpec | None],
+    scales: Sequence[KVScales | None] | None,
+    scale_caches: Sequence[torch.Tensor | None] | None,
+) -> tuple[list[KVScales | None], list[torch.Tensor | None], list[LayerSpec | None]]:
+    """Each layer's scales, scale tensor and scale page spec (None where it has none), checked."""
+    count = len(kv_caches)
+    for name, given in (("scales", scales), ("scale_caches", scale_caches)):
+        if given is not None and (
+            isinstance(given, (torch.Tensor, KVScales, str)) or len(given) != count
+        ):
+            raise ValueError(
+                f"{name}: expected one entry (or None) per kv cache ({count}), got "
+                f"{'one' if isinstance(given, (torch.Tensor, KVScales)) else len(given)}"
+            )
+    scales = [None] * count if scales is None else list(scales)
+    caches = [None] * count if scale_caches is None else list(scale_caches)
+    pages: list[LayerSpec | None] = []
+    for layer, (kv, spec, scale, cache) in enumerate(zip(kv_caches, specs, scales, caches)):
+        if scale is not None and not isinstance(scale, KVScales):
+            raise TypeError(
+                f"scales[{layer}]: expected layouts.KVScales or None, got {type(scale).__name__}"
+            )
+        if scale is not None:
+            if spec is None:
+                raise ValueError(
+                    f"scales[{layer}]: specs[{layer}] is None (layout not recognised); a "
+                    f"scaled layer needs its LayerSpec"
+                )
+            problem = scales_mismatch(spec, scale)
+            if problem is not None:
+                raise ValueError(f"scales[{layer}]: cannot scale specs[{layer}]: {problem}")
+        page = scale.page_spec(spec) if scale is not None and scale.has_page else None
+        pages.append(page)
+        if page is None:
+            if cache is not None:
+                raise ValueError(
+                    f"scale_caches[{layer}]: expected None (layer {layer} has no per-token-head "
+                    f"scales in scales[{layer}]), got {type(cache).__name__}"
+                )
+            continue
+        if not isinstance(cache, torch.Tensor) or cache.dim() < 1:
+            raise ValueError(
+                f"scale_caches[{layer}]: expected the layer's per-token-head scale tensor "
+                f"({page}), got {type(cache).__name__}"
+            )
+        problem = spec_mismatch(cache, page)
+        if problem is not None:
+            raise ValueError(
+                f"scale_caches[{layer}]: does not match scales[{layer}].page_spec(specs[{layer}]): "
+                f"expected {problem}"
+            )
+        if cache.size(0) != kv.size(0) or cache.device != kv.device:
+            raise ValueError(
+                f"scale_caches[{layer}]: expected {kv.size(0)} blocks on {kv.device} like "
+                f"kv_caches[{layer}], got {cache.size(0)} on {cache.device}"
+            )
+    return scales, caches, pages
+
+
 def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row: int = 1) -> int:
     """Bytes of one region row holding ``pages_per_row`` canonical pages of every layer."""
     return sum(pages_per_row * m.canonical_page_size_bytes for m in mappings)
@@ -238,9 +312,17 @@ class OffloadWorker:
     layer_names : sequence of str, optional
         Named in tiling errors.
     area_offsets : sequence of int, optional
-        Byte offset of each layer's area within a row, for rows laid out by
-        someone else (e.g. another topology whose opaque pages have other
-        sizes); the areas must fit the rows without overlapping.
+        Byte offset of each plan tensor's area within a row (see
+        :attr:`plan_entries`), for rows laid out by someone else (e.g. another
+        topology whose opaque pages have other sizes); the areas must fit the
+        rows without overlapping.
+    scales : sequence of layouts.KVScales or None, optional
+        Each layer's quantisation scales (None: the layer has none).
+    scale_caches : sequence of torch.Tensor or None, optional
+        Per-token-head scale tensor of each layer that has them (exactly the
+        layout ``scales[l].page_spec(specs[l])`` describes, as many blocks as
+        the data), None for every other layer. The worker keeps and checks
+        these as it does ``kv_caches``.
 
     Raises
     ------
@@ -250,10 +332,14 @@ class OffloadWorker:
 
     Attributes
     ----------
+    plan_entries : list of tuple[int, str]
+        What the plan moves, in row order: ``(layer, "kv")`` for each layer's
+        data, followed by ``(layer, "scales")`` for a layer with per-token-head
+        scales. Without such scales, entry ``i`` is layer ``i``.
     mappings : list of CanonicalPageMapping
-        This rank's mapping of each layer.
+        This rank's mapping of each plan entry.
     group_mappings : list of tuple of CanonicalPageMapping
-        Every rank's mapping of each layer.
+        Every rank's mapping of each plan entry.
     fallback_reasons : dict of int to str
         Layers stored opaquely, with the reason (see :attr:`opaque_layers`).
     format_id : str or None
@@ -263,7 +349,7 @@ class OffloadWorker:
     row_bytes : int
         Bytes of this worker's layer areas in a row (``canonical_row_bytes``).
     area_offsets : list of int
-        Where each layer's area starts in a row.
+        Where each plan entry's area starts in a row.
     """
 
     def __init__(
@@ -276,6 +362,8 @@ class OffloadWorker:
         pages_per_row: int = 1,
         layer_names: Sequence[str] | None = None,
         area_offsets: Sequence[int] | None = None,
+        scales: Sequence[KVScales | None] | None = None,
+        scale_caches: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         if isinstance(kv_caches, torch.Tensor) or not len(kv_caches):
             raise ValueError("kv_caches: expected a non-empty list of tensors, one per layer")
@@ -299,30 +387,75 @@ class OffloadWorker:
                 raise ValueError(
                     f"kv_caches[{layer}]: does not match specs[{layer}]: expected {problem}"
                 )
+        self.scales, self.scale_caches, scale_pages = _check_scales(
+            kv_caches, specs, scales, scale_caches
+        )
         self.kv_caches = list(kv_caches)
         # What every call checks: the very tensors (and layouts) the plan was built for.
         self._held = tuple(self.kv_caches)
         self._held_layout = [(kv.dtype, kv.shape, kv.stride()) for kv in self._held]
+        self._held_scales = tuple(self.scale_caches)
+        self._held_scale_layout = [
+            None if t is None else (t.dtype, t.shape, t.stride()) for t in self._held_scales
+        ]
+        self.plan_entries: list[tuple[int, str]] = []
+        entry_specs: list[LayerSpec | None] = []
+        self._plan_tensors: list[torch.Tensor] = []
+        for layer, (kv, spec) in enumerate(zip(self.kv_caches, specs)):
+            self.plan_entries.append((layer, "kv"))
+            entry_specs.append(spec)
+            self._plan_tensors.append(kv)
+            if scale_pages[layer] is not None:
+                self.plan_entries.append((layer, "scales"))
+                entry_specs.append(scale_pages[layer])
+                self._plan_tensors.append(self.scale_caches[layer])
         self.ctx = ctx
         self.region = cpu_pages if not isinstance(cpu_pages, torch.Tensor) else None
         self.cpu_pages = cpu_pages if isinstance(cpu_pages, torch.Tensor) else cpu_pages.tensor
         self.pages_per_row = pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
         block_bytes = [kv.stride(0) * kv.element_size() for kv in self.kv_caches]
-        self.group_mappings = group_layer_mappings(
-            specs, ctx, fallback_page_sizes=block_bytes, layer_names=layer_names
-        )
+        self.group_mappings = []
+        for layer, group in enumerate(
+            group_layer_mappings(
+                specs, ctx, fallback_page_sizes=block_bytes, layer_names=layer_names
+            )
+        ):
+            if scale_pages[layer] is None:
+                self.group_mappings.append(group)
+                continue
+            # Data and scales certify together (or are both opaque): layouts decides.
+            self.group_mappings.extend(
+                derive_scaled_group_mappings(
+                    specs[layer],
+                    self.scales[layer],
+                    ctx.tp_size,
+                    ctx.total_kv_heads,
+                    ctx.dcp_size,
+                    ctx.pcp_size,
+                    ctx.interleave,
+                    layer_name=layer_names[layer] if layer_names else f"layer {layer}",
+                )
+            )
         self.mappings = [group[ctx.rank] for group in self.group_mappings]
         self.fallback_reasons = _fallback_reasons(specs, ctx)
+        for (layer, _), group in zip(self.plan_entries, self.group_mappings):
+            if group[0].fallback_reason is not None and layer not in self.fallback_reasons:
+                self.fallback_reasons[layer] = group[0].fallback_reason
+        opaque_entries = {
+            entry: self.fallback_reasons[layer]
+            for entry, (layer, _) in enumerate(self.plan_entries)
+            if layer in self.fallback_reasons
+        }
         orders = {spec.order for spec in specs if spec is not None}
         self.format_id = canonical_format_id(orders.pop()) if len(orders) == 1 else None
         self.storage_namespace = _storage_namespace(
             self.format_id,
             len(orders) > 1,
             ctx,
-            specs,
-            self._held,
+            entry_specs,
+            self._plan_tensors,
             self.mappings,
-            self.fallback_reasons,
+            opaque_entries,
         )
         self.row_bytes = canonical_row_bytes(self.mappings, pages_per_row)
         if area_offsets is None:
@@ -340,12 +473,12 @@ class OffloadWorker:
         # its spec; opaque layers move whole blocks, whatever their layout.
         self.plan = make_plan(
             self.mappings,
-            self.kv_caches,
+            self._plan_tensors,
             self.cpu_pages,
             pages_per_row=pages_per_row,
             area_offsets=area_offsets,
             specs=[
-                None if layer in self.fallback_reasons else spec for layer, spec in enumerate(specs)
+                None if entry in opaque_entries else spec for entry, spec in enumerate(entry_specs)
             ],
         )
         self.area_offsets = [int(offset) for offset in area_offsets]
@@ -392,6 +525,32 @@ class OffloadWorker:
                         f"{stride} (as at construction), got {describe_tensor(kv)}; the "
                         f"tensor was changed in place since the plan was built"
                     )
+        if self._held_scales:
+            self._check_scale_caches()
+
+    def _check_scale_caches(self) -> None:
+        """Refuse scale tensors replaced or changed in place since the plan was built."""
+        caches = self.scale_caches
+        if len(caches) != len(self._held_scales):
+            raise ValueError(
+                f"scale_caches: expected {len(self._held_scales)} entries (as at construction), "
+                f"got {len(caches)}"
+            )
+        for layer, (now, held, layout) in enumerate(
+            zip(caches, self._held_scales, self._held_scale_layout)
+        ):
+            if now is not held:
+                raise ValueError(
+                    f"scale_caches[{layer}]: expected the tensor this worker was built for, "
+                    f"got a replaced entry; build a new OffloadWorker for new caches"
+                )
+            if now is not None and (now.dtype, now.shape, now.stride()) != layout:
+                dtype, shape, stride = layout
+                raise ValueError(
+                    f"scale_caches[{layer}]: expected {dtype} shape {tuple(shape)} strides "
+                    f"{stride} (as at construction), got {describe_tensor(now)}; the tensor "
+                    f"was changed in place since the plan was built"
+                )
 
     # Tensor-level calls: what a model step would call; traceable by torch.compile.
     def store_tensors(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
@@ -413,12 +572,12 @@ class OffloadWorker:
     # The launches proper, for callers that just checked the tensors.
     def _launch_store(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
         torch.ops.canonical.canonical_store(
-            self.kv_caches, self.cpu_pages, self.plan, block_ids, page_ids
+            self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids
         )
 
     def _launch_load(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
         torch.ops.canonical.canonical_load(
-            self.kv_caches, self.cpu_pages, self.plan, block_ids, page_ids
+            self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids
         )
 
     def _ids(self, name: str, ids) -> torch.Tensor:
@@ -479,7 +638,7 @@ class OffloadWorker:
                 # the caller's responsibility (documented).
                 blocks, pages = self._ids("block_ids", block_ids), self._ids("page_ids", page_ids)
             try:
-                reporting(self.kv_caches, self.cpu_pages, self.plan, blocks, pages, record)
+                reporting(self._plan_tensors, self.cpu_pages, self.plan, blocks, pages, record)
             except BaseException:
                 # Refused before any launch: the record was never handed to a kernel. The
                 # staging buffer may feed a queued copy: left to torch's pinned allocator.

@@ -19,6 +19,13 @@ cannot be certified is stored *opaque* (each rank's page whole), whose bytes
 only the same topology can read: such a layer carries its topology (tp, dcp,
 pcp, interleave), so the digest then pins the topology too.
 
+Quantised KV: a layer's dtype (``float8_e4m3fn``, ``float8_e5m2``, ...) and its
+scales (``layouts.KVScales``: granularity, scale dtype, per-tensor values, the
+per-token-head companion page) are part of its geometry, so a reader that
+quantises differently is in another namespace (a miss, never a misread). A
+layer without scales describes exactly as before the scales existed: the
+digests of existing namespaces did not change, and no unit format changed.
+
 Canonical JSON: keys sorted, no whitespace, ASCII only, no NaN/inf, booleans
 kept apart from numbers, integral floats written as ints (``10000.0`` and
 ``10000`` are the same RoPE theta) and other floats in Python's shortest
@@ -41,11 +48,13 @@ from typing import Any
 import numpy as np
 
 from layouts import (
+    KVScales,
     LayerSpec,
     RankContext,
     canonical_format_id,
     derive_layer_mapping,
 )
+from layouts.quant import QUANTISED_KV_DTYPES, scales_mismatch
 from layouts.spec import dtype_name, element_size
 
 from ...checks import check_int
@@ -190,6 +199,13 @@ class LayerGeometry:
         The page is each rank's page whole, readable only by ``topology``.
     topology : tuple[int, int, int, int] | None
         ``(tp, dcp, pcp, interleave)`` of an opaque layer; None when certified.
+    scales : layouts.KVScales | None
+        A quantised layer's scales (granularity, scale dtype; per-tensor: the
+        values; per-token-head: the companion page's packing); None when the
+        layer has none (then the field is not described at all, so the
+        digests of namespaces without scales are what they always were).
+        Per-token-head scales are part of the layer's canonical page: the data
+        page, then the scale page (``canonical_page_size_bytes`` counts both).
     """
 
     attention: str
@@ -204,6 +220,7 @@ class LayerGeometry:
     tokens_per_state: str = "1"
     opaque: bool = False
     topology: tuple[int, int, int, int] | None = None
+    scales: KVScales | None = None
 
     def __post_init__(self) -> None:
         _check_str("attention", self.attention)
@@ -248,6 +265,20 @@ class LayerGeometry:
         if tps <= 0:
             raise ValueError(f"tokens_per_state: expected > 0, got {self.tokens_per_state!r}")
         object.__setattr__(self, "tokens_per_state", _fraction_text(tps))
+        if self.scales is not None:
+            if not isinstance(self.scales, KVScales):
+                raise TypeError(
+                    f"scales: expected layouts.KVScales or None, got {type(self.scales).__name__}"
+                )
+            if self.dtype not in QUANTISED_KV_DTYPES:
+                raise ValueError(
+                    f"scales: expected a quantised dtype {QUANTISED_KV_DTYPES} for a scaled "
+                    f"layer, got {self.dtype}"
+                )
+            if self.scales.has_page and self.attention != "full":
+                raise ValueError(
+                    f"scales: per-token-head scales need full attention, got {self.attention}"
+                )
         if not isinstance(self.opaque, (bool, np.bool_)):
             raise TypeError(f"opaque: expected a bool, got {self.opaque!r}")
         object.__setattr__(self, "opaque", bool(self.opaque))
@@ -287,6 +318,11 @@ class LayerGeometry:
             raise ValueError("total_kv_heads, head_size: expected >= 1 for a certified layer")
         width = self.head_size if self.attention == "mla" else 2 * self.head_size
         expected = self.total_kv_heads * self.tokens_per_page * width * element_size(self.dtype)
+        if self.scales is not None and self.scales.has_page:
+            # K and V scale of every (token, head), after the data page.
+            expected += (
+                self.total_kv_heads * self.tokens_per_page * 2 * element_size(self.scales.dtype)
+            )
         if self.canonical_page_size_bytes != expected:
             raise ValueError(
                 f"canonical_page_size_bytes: expected {expected} for this geometry, "
@@ -294,17 +330,28 @@ class LayerGeometry:
             )
 
     @classmethod
-    def from_spec(cls, spec: LayerSpec, ctx: RankContext) -> LayerGeometry:
+    def from_spec(
+        cls, spec: LayerSpec, ctx: RankContext, scales: KVScales | None = None
+    ) -> LayerGeometry:
         """The geometry of a layer described by one rank's ``spec`` in ``ctx``'s group.
 
         Certified exactly when every rank of the group certifies (as
-        ``layouts.derive_group_mappings`` decides); otherwise the layer is
+        ``layouts.derive_group_mappings`` decides; with per-token-head
+        ``scales``, their companion page too, as
+        ``layouts.derive_scaled_group_mappings`` does); otherwise the layer is
         opaque and carries ``ctx``'s topology.
         """
         if not isinstance(spec, LayerSpec):
             raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
         if not isinstance(ctx, RankContext):
             raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        if scales is not None:
+            problem = scales_mismatch(spec, scales)
+            if problem is not None:
+                raise ValueError(f"scales: {problem}")
+        pages = [spec]
+        if scales is not None and scales.has_page:
+            pages.append(scales.page_spec(spec))
         tokens = spec.block_size * ctx.cp_size
         contexts = [
             RankContext(
@@ -312,7 +359,7 @@ class LayerGeometry:
             )
             for rank in range(ctx.group_size)
         ]
-        mappings = [derive_layer_mapping(spec, c) for c in contexts]
+        mappings = [derive_layer_mapping(page, c) for page in pages for c in contexts]
         common = dict(
             attention=spec.attention,
             head_size=spec.head_size,
@@ -322,17 +369,20 @@ class LayerGeometry:
             tokens_per_page=tokens,
             per_token_head_scales=spec.per_token_head_scales,
             tokens_per_state=_fraction_text(spec.tokens_per_state),
+            scales=scales,
         )
         if all(m is not None for m in mappings):
             heads = 1 if spec.attention == "mla" else ctx.total_kv_heads
             return cls(
                 total_kv_heads=heads,
-                canonical_page_size_bytes=mappings[0].canonical_page_size_bytes,
+                canonical_page_size_bytes=sum(
+                    mappings[i * len(contexts)].canonical_page_size_bytes for i in range(len(pages))
+                ),
                 **common,
             )
         return cls(
             total_kv_heads=1 if spec.attention == "mla" else ctx.total_kv_heads,
-            canonical_page_size_bytes=ctx.group_size * spec.page_size_bytes,
+            canonical_page_size_bytes=ctx.group_size * sum(p.page_size_bytes for p in pages),
             opaque=True,
             topology=_topology(ctx),
             **common,
@@ -382,6 +432,8 @@ class LayerGeometry:
         if self.topology is not None:
             tp, dcp, pcp, interleave = self.topology
             out["topology"] = {"tp": tp, "dcp": dcp, "pcp": pcp, "interleave": interleave}
+        if self.scales is not None:
+            out["scales"] = self.scales.describe()
         return out
 
     @classmethod
@@ -403,11 +455,11 @@ class LayerGeometry:
             "opaque",
         }
         keys = set(desc)
-        allowed = fields | {"topology"}
+        allowed = fields | {"topology", "scales"}
         if not fields <= keys or not keys <= allowed:
             raise ValueError(
-                f"{path}: expected fields {sorted(fields)} (+ topology when opaque), "
-                f"got {sorted(keys)}"
+                f"{path}: expected fields {sorted(fields)} (+ topology when opaque, scales "
+                f"when quantised with scales), got {sorted(keys)}"
             )
         kwargs = {name: desc[name] for name in fields}
         topo = desc.get("topology")
@@ -415,10 +467,32 @@ class LayerGeometry:
             if not isinstance(topo, Mapping) or set(topo) != {"tp", "dcp", "pcp", "interleave"}:
                 raise ValueError(f"{path}.topology: expected tp, dcp, pcp and interleave")
             kwargs["topology"] = (topo["tp"], topo["dcp"], topo["pcp"], topo["interleave"])
+        if "scales" in desc:
+            kwargs["scales"] = _scales_from_description(desc["scales"], f"{path}.scales")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{path}: {error}") from None
+
+
+def _scales_from_description(desc: Any, path: str) -> KVScales:
+    """Inverse of ``KVScales.describe``; strict, and refuses values it would round."""
+    if not isinstance(desc, Mapping) or "granularity" not in desc:
+        raise ValueError(f"{path}: expected an object with a granularity")
+    per_tensor = desc["granularity"] == "per-tensor"
+    fields = {"granularity", "dtype"} | ({"k_scale", "v_scale"} if per_tensor else {"packing"})
+    if set(desc) != fields:
+        raise ValueError(f"{path}: expected fields {sorted(fields)}, got {sorted(desc)}")
+    try:
+        scales = KVScales(**desc)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    if per_tensor and (scales.k_scale, scales.v_scale) != (desc["k_scale"], desc["v_scale"]):
+        raise ValueError(
+            f"{path}: k_scale, v_scale: expected values exact in {scales.dtype}, got "
+            f"{desc['k_scale']!r}, {desc['v_scale']!r}"
+        )
+    return scales
 
 
 def _topology(ctx: RankContext) -> tuple[int, int, int, int]:
@@ -497,6 +571,7 @@ class StoreNamespace:
         kv_quant: str = "none",
         fallback_page_sizes: Sequence[int] | None = None,
         block_size: int | None = None,
+        scales: Sequence[KVScales | None] | None = None,
     ) -> StoreNamespace:
         """The namespace of a model whose layers ``specs`` (ALL layers) are seen from ``ctx``.
 
@@ -505,13 +580,23 @@ class StoreNamespace:
         a layout that is not recognised, stored opaquely with
         ``fallback_page_sizes[l]`` bytes per rank page and ``block_size``
         tokens per block. The format family comes from the full-attention
-        layers' order (NHD when there are none).
+        layers' order (NHD when there are none). ``scales[l]`` (optional) is
+        layer ``l``'s ``layouts.KVScales``, or None for a layer without scales.
         """
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
             raise TypeError("specs: expected a sequence of LayerSpec (or None), one per layer")
+        if scales is None:
+            scales = [None] * len(specs)
+        elif isinstance(scales, (KVScales, str)) or len(scales) != len(specs):
+            raise ValueError(
+                f"scales: expected one KVScales (or None) per layer ({len(specs)}), got "
+                f"{'one' if isinstance(scales, KVScales) else len(scales)}"
+            )
         layers = []
         for i, spec in enumerate(specs):
             if spec is None:
+                if scales[i] is not None:
+                    raise ValueError(f"scales[{i}]: a layer of unknown layout cannot be scaled")
                 if fallback_page_sizes is None or block_size is None:
                     raise ValueError(
                         f"specs[{i}]: None needs fallback_page_sizes[{i}] and block_size"
@@ -522,7 +607,12 @@ class StoreNamespace:
                     )
                 )
             else:
-                layers.append(LayerGeometry.from_spec(spec, ctx))
+                try:
+                    layers.append(LayerGeometry.from_spec(spec, ctx, scales[i]))
+                except (TypeError, ValueError) as error:
+                    if scales[i] is None:
+                        raise
+                    raise type(error)(f"scales[{i}]: {error}") from None
         orders = {s.order for s in specs if s is not None and s.attention == "full"}
         if len(orders) > 1:
             raise ValueError(f"specs: expected one stride order for all layers, got {orders}")

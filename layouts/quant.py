@@ -1,0 +1,245 @@
+"""Quantised KV: a layer's scales, and the canonical pages that carry them.
+
+A quantised layer (fp8 or int8 KV) is a normal layer whose dtype is 1 byte
+wide: its canonical page is derived exactly as a bf16 one, with 1-byte
+elements. What makes its bytes mean values is its scales, described by
+:class:`KVScales`:
+
+``"per-tensor"``
+    One K scale and one V scale for the whole layer, identical on every rank
+    (calibrated, from the checkpoint). They are not per block, so they travel
+    as values, not as pages: a store namespace records them exactly, and a
+    reader whose values differ is in another namespace (a miss).
+``"per-token-head"``
+    One K and one V scale per (token, head), held in a *companion* tensor of
+    the scale dtype next to the data: ``(num_blocks, 2, block_size, heads, 1)``
+    (``split``: K scales, then V scales) or ``(num_blocks, heads, block_size, 2)``
+    (``packed``: K and V scale adjacent), in the data's stride order. It is a
+    full-attention page of head size 1 (:meth:`KVScales.page_spec`), so it is
+    derived by the very same head-sharded token-row mapping as the data: a
+    reader at another TP gets exactly the scales of the heads it owns.
+    :func:`derive_scaled_group_mappings` certifies data and scales together.
+
+Scales *inside* the data page (``LayerSpec.per_token_head_scales``, vLLM's
+inline layout) stay uncertified: their placement is not described, so such a
+layer is stored opaquely, as vLLM 0.33 does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .derive import derive_group_mappings, opaque_fallback_mapping
+from .mapping import CanonicalPageMapping
+from .spec import PACKINGS, LayerSpec, dtype_name
+from .tiling import verify_tiling
+
+__all__ = [
+    "QUANTISED_KV_DTYPES",
+    "SCALE_DTYPES",
+    "SCALE_GRANULARITIES",
+    "KVScales",
+    "derive_scaled_group_mappings",
+    "scales_mismatch",
+]
+
+SCALE_GRANULARITIES = ("per-tensor", "per-token-head")
+# Scale dtypes and the numpy type that rounds a per-tensor value to them.
+SCALE_DTYPES = {"float32": np.float32, "float16": np.float16}
+# KV dtypes that carry scales: 1-byte floats and int8 (e8m0 is a scale format, not KV).
+QUANTISED_KV_DTYPES = (
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "int8",
+)
+
+
+def _scale_value(name: str, value: Any, dtype: str) -> float:
+    """``value`` rounded to ``dtype`` (as the engine holds it); finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a finite positive number, got {value!r}")
+    rounded = float(SCALE_DTYPES[dtype](value))
+    if not math.isfinite(rounded) or rounded <= 0:
+        raise ValueError(
+            f"{name}: expected a finite positive number representable in {dtype}, got {value!r}"
+        )
+    return rounded
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """How one quantised layer's KV is scaled (an unscaled layer has none).
+
+    Parameters
+    ----------
+    granularity : {"per-tensor", "per-token-head"}
+    dtype : {"float32", "float16"}
+        Dtype of the scales.
+    k_scale, v_scale : float, optional
+        Per-tensor only (required there): the layer's K and V scales, taken at
+        ``dtype``'s precision (rounded to it, as the engine stores them), so a
+        writer and a reader holding the same scale tensor always agree.
+    packing : {"split", "packed"}
+        Per-token-head only: the companion tensor's packing (see the module
+        docstring); its stride order is always the data's.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming the field and the expected value.
+    """
+
+    granularity: str
+    dtype: str = "float32"
+    k_scale: float | None = None
+    v_scale: float | None = None
+    packing: str = "split"
+
+    def __post_init__(self) -> None:
+        if self.granularity not in SCALE_GRANULARITIES:
+            raise ValueError(
+                f"granularity: expected one of {SCALE_GRANULARITIES}, got {self.granularity!r}"
+            )
+        try:
+            name = dtype_name(self.dtype)
+        except ValueError:
+            name = str(self.dtype)
+        if name not in SCALE_DTYPES:
+            raise ValueError(f"dtype: expected one of {tuple(SCALE_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", name)
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing: expected one of {PACKINGS}, got {self.packing!r}")
+        if self.granularity == "per-tensor":
+            if self.k_scale is None or self.v_scale is None:
+                raise ValueError("k_scale, v_scale: expected both for per-tensor scales")
+            if self.packing != "split":
+                raise ValueError(
+                    f"packing: per-tensor scales have no page; expected the default 'split', "
+                    f"got {self.packing!r}"
+                )
+            object.__setattr__(self, "k_scale", _scale_value("k_scale", self.k_scale, name))
+            object.__setattr__(self, "v_scale", _scale_value("v_scale", self.v_scale, name))
+        elif self.k_scale is not None or self.v_scale is not None:
+            raise ValueError(
+                "k_scale, v_scale: expected None for per-token-head scales (they are in the "
+                "companion tensor)"
+            )
+
+    @property
+    def has_page(self) -> bool:
+        """Whether the scales are a companion page (per-token-head) moved with the data."""
+        return self.granularity == "per-token-head"
+
+    def page_spec(self, spec: LayerSpec) -> LayerSpec:
+        """The companion page of per-token-head scales of ``spec``'s data page (one rank's).
+
+        A full-attention page of head size 1 in the scale dtype: same block
+        size, heads per rank and stride order as the data, this ``packing``.
+        """
+        problem = scales_mismatch(spec, self)
+        if problem is not None:
+            raise ValueError(f"spec: {problem}")
+        if not self.has_page:
+            raise ValueError(
+                "granularity: per-tensor scales have no page (expected per-token-head)"
+            )
+        return LayerSpec(
+            "full", spec.block_size, spec.num_kv_heads, 1, self.dtype, self.packing, spec.order
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """JSON description (part of a store namespace's layer geometry)."""
+        out: dict[str, Any] = {"granularity": self.granularity, "dtype": self.dtype}
+        if self.has_page:
+            out["packing"] = self.packing
+        else:
+            out["k_scale"], out["v_scale"] = self.k_scale, self.v_scale
+        return out
+
+
+def scales_mismatch(spec: LayerSpec, scales: KVScales) -> str | None:
+    """Why ``scales`` cannot scale the data page ``spec``, or None if they can."""
+    if not isinstance(spec, LayerSpec):
+        return f"expected a LayerSpec, got {type(spec).__name__}"
+    if not isinstance(scales, KVScales):
+        return f"expected KVScales, got {type(scales).__name__}"
+    if spec.dtype not in QUANTISED_KV_DTYPES:
+        return f"scaled KV must have a quantised dtype {QUANTISED_KV_DTYPES}, got {spec.dtype}"
+    if spec.per_token_head_scales:
+        return (
+            "per_token_head_scales=True means scales inside the data page (uncertified); "
+            "companion KVScales describe scales outside it: expected one or the other"
+        )
+    if scales.has_page and spec.attention != "full":
+        return f"per-token-head scales need full attention (K and V heads), got {spec.attention}"
+    return None
+
+
+def derive_scaled_group_mappings(
+    spec: LayerSpec,
+    scales: KVScales,
+    tp_size: int,
+    total_kv_heads: int,
+    dcp_size: int = 1,
+    pcp_size: int = 1,
+    interleave: int = 1,
+    *,
+    layer_name: str = "<layer>",
+) -> tuple[tuple[CanonicalPageMapping, ...], tuple[CanonicalPageMapping, ...] | None]:
+    """A quantised layer's data mappings and its scale page's, for every rank, verified.
+
+    The data is derived as any layer of its dtype. Per-token-head scales are
+    derived from :meth:`KVScales.page_spec` by the same rules, so the two
+    certify together (same heads, tokens and topology); should they ever
+    disagree, both fall back to opaque pages (a reader of the same topology
+    only) rather than pair certified data with scales in another place.
+
+    Returns
+    -------
+    tuple
+        ``(data_mappings, scale_mappings)``, each indexed by rank;
+        ``scale_mappings`` is None for per-tensor scales.
+    """
+    problem = scales_mismatch(spec, scales)
+    if problem is not None:
+        raise ValueError(f"scales: cannot scale {layer_name}: {problem}")
+    data = derive_group_mappings(
+        spec, tp_size, total_kv_heads, dcp_size, pcp_size, interleave, layer_name=layer_name
+    )
+    if not scales.has_page:
+        return data, None
+    page = scales.page_spec(spec)
+    scale = derive_group_mappings(
+        page,
+        tp_size,
+        total_kv_heads,
+        dcp_size,
+        pcp_size,
+        interleave,
+        layer_name=f"{layer_name} (scales)",
+    )
+    reasons = {data[0].fallback_reason, scale[0].fallback_reason}
+    if len(reasons) > 1 and None in reasons:  # one certified, the other not: neither is
+        reason = next(r for r in reasons if r is not None)
+        data, scale = (
+            tuple(
+                opaque_fallback_mapping(
+                    s.page_size_bytes,
+                    len(data),
+                    rank,
+                    derived_for=s,
+                    fallback_reason=f"data and scales certify apart: {reason}",
+                )
+                for rank in range(len(data))
+            )
+            for s in (spec, page)
+        )
+        verify_tiling(data, layer_name)
+        verify_tiling(scale, f"{layer_name} (scales)")
+    return data, scale
