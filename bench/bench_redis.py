@@ -222,7 +222,7 @@ def goals(models: dict) -> list[dict]:
         for what, t in r["throughput"].items():
             out.append(
                 {
-                    "goal": f"redis {name} {what}: tier / redis-py pipelined, median >= {GOAL}",
+                    "goal": f"{name} {what}: tier / redis-py pipelined, median >= {GOAL}",
                     "measured": round(t["ratio_median"], 4),
                     "target": GOAL,
                     "met": bool(t["ratio_median"] >= GOAL),
