@@ -314,7 +314,7 @@ class CpuShim:
 
         self.path = _built_library(build_dir, self.SOURCE, command, timeout_s)
         so = ctypes.CDLL(self.path)
-        so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         so.shim_prefetch_items.restype = ctypes.c_int64
         so.shim_cpu_descriptor_copy.argtypes = (
             [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
@@ -326,13 +326,11 @@ class CpuShim:
         self, geo: Geometry, sides: tuple[np.ndarray, np.ndarray, np.ndarray], *, store: bool
     ):
         """A zero-argument call copying ``count`` descriptors from the (src, dst, size) arrays
-        (loads prefetch ahead as the canonical kernel does; stores do not)."""
+        (prefetching ahead as the canonical kernel does)."""
         src, dst, sizes = sides
         count = int(src.shape[0])
         total = count // geo.fragments_per_pair * geo.bytes_per_pair
-        ahead = (
-            0 if store else self.so.shim_prefetch_items(geo.bytes_per_pair, geo.fragments_per_pair)
-        )
+        ahead = self.so.shim_prefetch_items(geo.bytes_per_pair, geo.fragments_per_pair, int(store))
         ptrs = (src.ctypes.data, dst.ctypes.data, sizes.ctypes.data)
         fn = self.so.shim_cpu_descriptor_copy
 

@@ -7,8 +7,9 @@
 
 #include "canonical/cpu_copy.h"
 
-extern "C" int64_t shim_prefetch_items(int64_t bytes_per_pair, int64_t fragments_per_pair) {
-  return canonical::prefetch_items(bytes_per_pair, fragments_per_pair);
+extern "C" int64_t shim_prefetch_items(int64_t bytes_per_pair, int64_t fragments_per_pair,
+                                       int store) {
+  return canonical::prefetch_items(bytes_per_pair, fragments_per_pair, store != 0);
 }
 
 extern "C" void shim_cpu_descriptor_copy(const int64_t* src, const int64_t* dst,

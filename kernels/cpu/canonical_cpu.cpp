@@ -215,7 +215,7 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   int64_t call_bytes = 0;
   const bool streaming = !checked_mul(info.num_pairs, bytes_per_pair, &call_bytes) ||
                          call_bytes >= streaming_call_bytes(store);
-  const int64_t lookahead = store ? 0 : prefetch_items(bytes_per_pair, num_fragments);
+  const int64_t lookahead = prefetch_items(bytes_per_pair, num_fragments, store);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
     // Expansion runs one batch ahead of the copy (two batches of descriptors
