@@ -40,7 +40,7 @@ import math
 import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
@@ -58,11 +58,15 @@ from layouts.quant import QUANTISED_KV_DTYPES, scales_mismatch
 from layouts.spec import dtype_name, element_size
 
 from ...checks import check_int
+from .state_geometry import StateGeometry, StateReshardError
 
 __all__ = [
     "NAMESPACE_SCHEMA",
+    "UNIT_KINDS",
     "LayerGeometry",
     "ModelIdentity",
+    "StateGeometry",
+    "StateReshardError",
     "StoreNamespace",
     "canonical_json",
     "is_namespace_hex",
@@ -78,6 +82,8 @@ _UNKNOWN = "unknown"  # fields an opaque layer built from page bytes alone does 
 # file cannot make a reader allocate or loop without bound.
 MAX_LAYERS = 1 << 16
 MAX_PAGE_BYTES = 1 << 40
+# What a unit holds: attention KV pages of one block, or one request's state slots.
+UNIT_KINDS = ("kv", "state")
 
 
 def _json_value(value: Any, path: str) -> Any:
@@ -513,20 +519,31 @@ class StoreNamespace:
         KV quantisation mode, e.g. ``"none"``, ``"fp8_e4m3"``: the same bytes
         mean other values under another mode.
     layers : tuple[LayerGeometry, ...]
-        Every layer of the model (all pipeline stages), layer 0 first.
+        Every attention layer of the model (all pipeline stages), layer 0 first.
+    states : tuple[StateGeometry, ...]
+        Every state layer (Mamba / GDN) of a hybrid model, in model order;
+        empty for other models (and then not described: digests unchanged).
+    unit_kind : {"kv", "state"}
+        What this namespace's units hold: ``"kv"`` (default) one block's
+        canonical pages of ``layers``; ``"state"`` one request's canonical
+        state slots of ``states`` (:meth:`state_units`). The kind is part of
+        the description, so the two never share a digest, a directory or a key.
 
     Notes
     -----
     A *unit* holds the canonical pages of a contiguous layer range ``[first,
     end)`` of one block, concatenated in layer order; its payload is
     :meth:`layer_bytes` long and layer ``l`` starts at
-    ``payload_offsets(first, end)[l - first]``.
+    ``payload_offsets(first, end)[l - first]``. For state units, "layers" are
+    the state layers: ``num_layers`` counts them and ``[first, end)`` indexes them.
     """
 
     format_id: str
     model: ModelIdentity
     kv_quant: str
     layers: tuple[LayerGeometry, ...]
+    states: tuple[StateGeometry, ...] = ()
+    unit_kind: str = "kv"
     _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -537,10 +554,12 @@ class StoreNamespace:
         if not isinstance(self.model, ModelIdentity):
             raise TypeError(f"model: expected a ModelIdentity, got {type(self.model).__name__}")
         _check_str("kv_quant", self.kv_quant)
+        self._check_states()
         if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Sequence):
             raise TypeError(f"layers: expected a sequence of LayerGeometry, got {self.layers!r}")
         layers = tuple(self.layers)
-        if not 1 <= len(layers) <= MAX_LAYERS:
+        # A model of state layers only has no attention layer; its KV units hold nothing.
+        if not (self.unit_kind == "kv") <= len(layers) <= MAX_LAYERS:
             raise ValueError(f"layers: expected 1 to {MAX_LAYERS} layers, got {len(layers)}")
         family = self.format_id.rsplit("-", 1)[1].upper()
         for i, layer in enumerate(layers):
@@ -555,11 +574,54 @@ class StoreNamespace:
                 )
         object.__setattr__(self, "layers", layers)
         prefix = [0]
-        for layer in layers:
+        if self.unit_kind == "state":
+            for state in self.states:
+                prefix.append(prefix[-1] + state.canonical_bytes)
+        for layer in layers if self.unit_kind == "kv" else ():
             prefix.append(prefix[-1] + layer.canonical_page_size_bytes)
         object.__setattr__(self, "_prefix", tuple(prefix))
         text = canonical_json(self.describe())
         object.__setattr__(self, "_digest", hashlib.sha256(text.encode("ascii")).digest())
+
+    def _check_states(self) -> None:
+        if self.unit_kind not in UNIT_KINDS:
+            raise ValueError(f"unit_kind: expected one of {UNIT_KINDS}, got {self.unit_kind!r}")
+        if isinstance(self.states, (str, bytes)) or not isinstance(self.states, Sequence):
+            raise TypeError(f"states: expected a sequence of StateGeometry, got {self.states!r}")
+        states = tuple(self.states)
+        if len(states) > MAX_LAYERS:
+            raise ValueError(f"states: expected at most {MAX_LAYERS} state layers")
+        for i, state in enumerate(states):
+            if not isinstance(state, StateGeometry):
+                raise TypeError(
+                    f"states[{i}]: expected a StateGeometry, got {type(state).__name__}"
+                )
+        if self.unit_kind == "state" and not states:
+            raise ValueError("states: expected at least one state layer for unit_kind='state'")
+        object.__setattr__(self, "states", states)
+
+    def state_units(self) -> StoreNamespace:
+        """This model's namespace of state units (``unit_kind="state"``)."""
+        return self if self.unit_kind == "state" else replace(self, unit_kind="state")
+
+    def kv_units(self) -> StoreNamespace:
+        """This model's namespace of KV units (``unit_kind="kv"``)."""
+        return self if self.unit_kind == "kv" else replace(self, unit_kind="kv")
+
+    def check_state_readable(self, ctx: RankContext) -> None:
+        """Raise :class:`StateReshardError` if a state layer here cannot be read at ``ctx``.
+
+        A certified state layer is read at any topology. One that cannot be
+        resharded (opaque) is readable only by the topology that wrote it: a
+        reader of another topology gets this error naming the layer, its kind
+        and why, instead of a miss it could not explain.
+        """
+        if not isinstance(ctx, RankContext):
+            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        for i, state in enumerate(self.states):
+            error = state.refusal(i, ctx)
+            if error is not None:
+                raise error
 
     @classmethod
     def from_specs(
@@ -633,7 +695,7 @@ class StoreNamespace:
 
     def describe(self) -> dict[str, Any]:
         """The JSON description hashed into :attr:`digest` (``namespace.json``)."""
-        return {
+        out = {
             "schema": NAMESPACE_SCHEMA,
             "format_id": self.format_id,
             "model": self.model.describe(),
@@ -641,6 +703,12 @@ class StoreNamespace:
             "num_layers": len(self.layers),
             "layers": [layer.describe() for layer in self.layers],
         }
+        # Described only when present: namespaces of models without state keep their digests.
+        if self.states:
+            out["states"] = [state.describe() for state in self.states]
+        if self.unit_kind != "kv":
+            out["unit_kind"] = self.unit_kind
+        return out
 
     @classmethod
     def from_description(cls, desc: Any) -> StoreNamespace:
@@ -654,8 +722,23 @@ class StoreNamespace:
         if not isinstance(desc, Mapping):
             raise ValueError(f"namespace: expected an object, got {type(desc).__name__}")
         expected = {"schema", "format_id", "model", "kv_quant", "num_layers", "layers"}
-        if set(desc) != expected:
-            raise ValueError(f"namespace: expected fields {sorted(expected)}, got {sorted(desc)}")
+        optional = {"states", "unit_kind"}
+        if not expected <= set(desc) <= expected | optional:
+            raise ValueError(
+                f"namespace: expected fields {sorted(expected)} (+ {sorted(optional)}), "
+                f"got {sorted(desc)}"
+            )
+        states = desc.get("states", [])
+        if (
+            not isinstance(states, list)
+            or len(states) > MAX_LAYERS
+            or ("states" in desc and not states)
+        ):
+            raise ValueError(
+                f"states: expected a non-empty list of at most {MAX_LAYERS} state layers"
+            )
+        if desc.get("unit_kind", "state") == "kv":
+            raise ValueError("unit_kind: expected it absent for KV units (the default)")
         if desc["schema"] != NAMESPACE_SCHEMA:
             raise ValueError(f"schema: expected {NAMESPACE_SCHEMA!r}, got {desc['schema']!r}")
         model = desc["model"]
@@ -677,6 +760,11 @@ class StoreNamespace:
                     LayerGeometry.from_description(layer, f"layers[{i}]")
                     for i, layer in enumerate(layers)
                 ),
+                tuple(
+                    StateGeometry.from_description(state, f"states[{i}]")
+                    for i, state in enumerate(states)
+                ),
+                desc.get("unit_kind", "kv"),
             )
         except TypeError as error:
             raise ValueError(str(error)) from None
@@ -685,8 +773,9 @@ class StoreNamespace:
 
     @property
     def num_layers(self) -> int:
-        """Layers of the model (all pipeline stages)."""
-        return len(self.layers)
+        """Layers a unit's range indexes: the model's attention layers (all pipeline
+        stages) for KV units, its state layers for state units."""
+        return len(self._prefix) - 1
 
     @property
     def total_bytes(self) -> int:
@@ -694,7 +783,7 @@ class StoreNamespace:
         return self._prefix[-1]
 
     def _range(self, first: Any, end: Any) -> tuple[int, int]:
-        if type(first) is int and type(end) is int and 0 <= first < end <= len(self.layers):
+        if type(first) is int and type(end) is int and 0 <= first < end < len(self._prefix):
             return first, end  # hot path of every store and load
         first = check_int("first", first, minimum=0, maximum=self.num_layers - 1)
         end = check_int("end", end, minimum=first + 1, maximum=self.num_layers)
@@ -736,8 +825,8 @@ class StoreNamespace:
 
     @property
     def topology_bound(self) -> bool:
-        """True when some layer is opaque, i.e. the namespace pins the topology."""
-        return any(layer.opaque for layer in self.layers)
+        """True when some layer or state layer is opaque, i.e. the namespace pins the topology."""
+        return any(layer.opaque for layer in self.layers) or any(s.opaque for s in self.states)
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
