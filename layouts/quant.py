@@ -64,7 +64,8 @@ def _scale_value(name: str, value: Any, dtype: str) -> float:
     """``value`` rounded to ``dtype`` (as the engine holds it); finite and > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name}: expected a finite positive number, got {value!r}")
-    rounded = float(SCALE_DTYPES[dtype](value))
+    with np.errstate(over="ignore"):  # an overflow is reported below, as inf
+        rounded = float(SCALE_DTYPES[dtype](value))
     if not math.isfinite(rounded) or rounded <= 0:
         raise ValueError(
             f"{name}: expected a finite positive number representable in {dtype}, got {value!r}"
