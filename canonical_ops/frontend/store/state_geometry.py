@@ -107,9 +107,11 @@ class StateGeometry:
             for d in self.dims
         ):
             raise ValueError(f"dims: expected (name, int) pairs, got {self.dims!r}")
-        object.__setattr__(
-            self, "dims", tuple((k, check_int(f"dims[{k!r}]", v, minimum=0)) for k, v in self.dims)
-        )
+        # Sorted by name: one value per geometry, however the dims were listed (JSON sorts).
+        dims = sorted((k, check_int(f"dims[{k!r}]", v, minimum=0)) for k, v in self.dims)
+        if len({k for k, _ in dims}) != len(dims):
+            raise ValueError(f"dims: expected distinct names, got {self.dims!r}")
+        object.__setattr__(self, "dims", tuple(dims))
         for name in ("conv_dtype", "ssm_dtype"):
             value = getattr(self, name)
             if value != _UNKNOWN:
