@@ -66,7 +66,10 @@ demo: install
 	echo "== a TP=4 engine persists the prompt and exits:"; \
 	$(VPY) -m canonical_ops demo --store "$$store" --phase write --writer-tp 4 $(DEMO_STORE_ARGS); \
 	echo; echo "== a new TP=2 x PP=2 engine, empty regions, reads it from the files:"; \
-	$(VPY) -m canonical_ops demo --store "$$store" --phase read --reader-tp 2 --reader-pp 2 $(DEMO_STORE_ARGS)
+	$(VPY) -m canonical_ops demo --store "$$store" --phase read --reader-tp 2 --reader-pp 2 $(DEMO_STORE_ARGS); \
+	echo; echo "== fp8 KV (float8_e4m3fn, per-tensor scales in the namespace): TP=4 persists, TP=2 reads:"; \
+	$(VPY) -m canonical_ops demo --preset llama3-8b-fp8 --store "$$store" --phase write --writer-tp 4 $(DEMO_STORE_ARGS); \
+	$(VPY) -m canonical_ops demo --preset llama3-8b-fp8 --store "$$store" --phase read --reader-tp 2 $(DEMO_STORE_ARGS)
 	@$(MAKE) -s redis-server >/dev/null 2>&1 || true  # installs it where it can (root + apt-get)
 	@set -e; if ! command -v redis-server >/dev/null 2>&1; then \
 	  echo; echo "== Redis part skipped: redis-server is not installed (make redis-server)"; exit 0; fi; \

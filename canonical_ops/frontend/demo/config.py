@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layouts import LayerSpec, RankContext, certification_failure
+from layouts import KVScales, LayerSpec, RankContext, certification_failure
+from layouts.quant import QUANTISED_KV_DTYPES
 
 from ..tiers import pp_layer_ranges
 from .presets import PRESETS
@@ -34,6 +35,7 @@ class DemoConfig:
     reader_pp: int = 1
     model_name: str = ""
     model_revision: str = ""
+    kv_scales: tuple[float, float] | None = None  # per-tensor (k, v) of a quantised KV dtype
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,7 +100,17 @@ class DemoConfig:
 
         tp = self.tp(role)
         ctx = RankContext(tp, self.total_kv_heads, 0)
-        return StoreNamespace.from_specs(self.identity(), [self.spec(tp)] * self.layers, ctx)
+        if self.kv_scales is None:
+            return StoreNamespace.from_specs(self.identity(), [self.spec(tp)] * self.layers, ctx)
+        # fp8 with per-tensor scales: a reader of other scales (or dtype) misses, never misreads.
+        scales = KVScales("per-tensor", k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
+        return StoreNamespace.from_specs(
+            self.identity(),
+            [self.spec(tp)] * self.layers,
+            ctx,
+            kv_quant=f"{self.dtype} per-tensor",
+            scales=[scales] * self.layers,
+        )
 
     def topology_problem(self, tp: int) -> str | None:
         """Why the model cannot run at TP=``tp`` with certified canonical pages, or None."""
@@ -131,12 +143,13 @@ def build_config(args, device: str) -> DemoConfig:
         reader = writer
     elif phase == "read":
         writer = reader
+    dtype = getattr(args, "dtype", None) or preset.dtype
     cfg = DemoConfig(
         attention=preset.attention,
         layers=args.layers or preset.layers,
         total_kv_heads=heads or preset.kv_heads,
         head_size=preset.head_size,
-        dtype=getattr(args, "dtype", None) or preset.dtype,
+        dtype=dtype,
         block_size=preset.block_size,
         packing=args.packing,
         order=args.order,
@@ -150,6 +163,8 @@ def build_config(args, device: str) -> DemoConfig:
         reader_pp=reader[1],
         model_name=getattr(args, "model_name", None) or "",
         model_revision=getattr(args, "model_revision", ""),
+        # --dtype of an unquantised type on an fp8 preset: a model without scales
+        kv_scales=preset.kv_scales if dtype in QUANTISED_KV_DTYPES else None,
     )
     for flag, tp in (("--writer-tp", cfg.writer_tp), ("--reader-tp", cfg.reader_tp)):
         problem = cfg.topology_problem(tp)
