@@ -3,11 +3,11 @@ caches, and the byte-by-byte comparison of loaded caches with that truth."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from layouts import LayerSpec
 
+from ..store.token_keys import block_keys
 from .config import DemoConfig
 
 VOCAB = 128256  # token ids of the prompt are drawn from a Llama-3-sized vocabulary
@@ -22,19 +22,18 @@ def prompt_token_ids(cfg: DemoConfig, block: int):
 
 
 def block_hashes(cfg: DemoConfig) -> list[bytes]:
-    """The prompt's block hashes, as an engine computes them: a chain over the token ids.
+    """The prompt's block keys: the store's engine-independent chain over the token ids.
 
-    ``h[i] = sha256(h[i-1] || token ids of block i)`` (little-endian int64), so a
-    block's hash names its whole prefix. Model-independent, like vLLM's: the
+    ``token_keys.block_keys`` (``h[i] = sha256(h[i-1] || token ids of block i)``,
+    little-endian int64, from the documented root), so a block's key names its whole
+    prefix and any engine computing keys from the same tokens (the SGLang backend,
+    ``canonical_ops.sglang``) finds what this demo persisted. Model-independent: the
     store's namespace keeps models apart.
     """
-    parent = hashlib.sha256(b"canonical-kv demo prompt").digest()
-    out = []
-    for block in range(cfg.prompt_blocks):
-        parent = hashlib.sha256(parent + prompt_token_ids(cfg, block).astype("<i8").tobytes())
-        parent = parent.digest()
-        out.append(parent)
-    return out
+    import numpy as np
+
+    tokens = np.concatenate([prompt_token_ids(cfg, block) for block in range(cfg.prompt_blocks)])
+    return block_keys(tokens, cfg.block_size)
 
 
 def _bits_dtype(cfg: DemoConfig):
