@@ -498,3 +498,55 @@ def test_split_stage_layers():
     assert split_stage_layers(IS_STATE, 4, 5) == ((1, 1), (3, 4))
     with pytest.raises(ValueError, match="end"):
         split_stage_layers(IS_STATE, 4, 9)
+
+
+# --------------------------------------------------------------------------- the demo
+
+HYBRID = ["--preset", "tiny-hybrid", "--prompt-tokens", "40"]
+
+
+def test_demo_hybrid_write_tp4_read_tp2(tmp_path):
+    from tests.helpers.demo_cli import demo_json
+
+    written = demo_json(
+        *HYBRID, "--store", str(tmp_path), "--phase", "write", "--writer-tp", "4", expect=0
+    )
+    assert written["write"]["kv_units_stored"] == 3 and written["write"]["state_units_stored"] == 1
+    read = demo_json(
+        *HYBRID, "--store", str(tmp_path), "--phase", "read", "--reader-tp", "2", expect=0
+    )
+    result = read["read"]
+    assert result["kv_blocks_from_files"] == 3 and result["state_units_from_files"] == 1
+    assert result["kv_bytes_wrong"] == 0 and result["state_bytes_wrong"] == 0
+    assert result["state_bytes_checked"] > 0 and read["verdict"] == "PASS"
+    # A flipped byte in the stored state: a miss, and the demo says FAIL (never wrong bytes).
+    state_dirs = [
+        d
+        for d in os.listdir(tmp_path)
+        if json.loads((tmp_path / d / "namespace.json").read_text()).get("unit_kind") == "state"
+    ]
+    [unit] = list(iter_unit_files(os.path.join(tmp_path, state_dirs[0])))
+    with open(unit.path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    failed = demo_json(
+        *HYBRID, "--store", str(tmp_path), "--phase", "read", "--reader-tp", "1", expect=1
+    )
+    assert failed["verdict"] == "FAIL" and failed["read"]["state_bytes_wrong"] == 0
+    assert any("state" in f for f in failed["failures"]), failed["failures"]
+
+
+def test_demo_hybrid_usage_errors(tmp_path):
+    from tests.helpers.demo_cli import assert_usage_error, run_demo
+
+    assert_usage_error(run_demo(*HYBRID), "--store DIR")
+    assert_usage_error(
+        run_demo(*HYBRID, "--store", str(tmp_path), "--writer-tp", "3"), "--writer-tp 3"
+    )
+    line = assert_usage_error(
+        run_demo(*HYBRID, "--store", str(tmp_path), "--reader-tp", "32"), "--reader-tp 32"
+    )
+    assert "cannot be resharded" in line
+    assert_usage_error(run_demo(*HYBRID, "--store", "redis://localhost:1/0"), "one directory")

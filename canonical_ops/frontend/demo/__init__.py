@@ -82,6 +82,7 @@ from .engine import (
     run_writers,
 )
 from .geometry import Geometry, plan_geometry, region_bytes
+from .hybrid_presets import HYBRID_PRESETS, HybridPreset
 from .persistent import (
     fill_stages,
     persist_stages,
@@ -138,6 +139,7 @@ from .verdict import Verification, verify, verify_persistent
 
 __all__ = [
     "DTYPES",
+    "HYBRID_PRESETS",
     "MAX_KV_HEADS",
     "MAX_LAYERS",
     "MAX_PP",
@@ -155,6 +157,7 @@ __all__ = [
     "DemoConfig",
     "Geometry",
     "GroupRun",
+    "HybridPreset",
     "Preset",
     "Progress",
     "RankTask",
@@ -231,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(__doc__)
     args = parser.parse_args(argv)
     out = sys.stderr if args.json else sys.stdout
+    if args.preset in HYBRID_PRESETS:  # attention pages and Mamba / GDN state: demo/hybrid.py
+        from .hybrid import main_hybrid
+
+        return main_hybrid(args, out, parser)
     tiers: list = []
     try:
         stores = plan_stores(args)

@@ -6,6 +6,7 @@ import argparse
 
 from layouts.cli import CliParser, float_in, int_in, lower, upper
 
+from .hybrid_presets import HYBRID_PRESETS
 from .presets import DTYPES, PRESETS
 
 PROG = "python -m canonical_ops demo"
@@ -37,14 +38,20 @@ def _name(text: str) -> str:
 def build_parser(description: str | None = None) -> CliParser:
     """The demo's flags; ``description`` heads ``--help`` (``main`` gives the package's
     docstring: what the demo does)."""
-    presets = "\n".join(f"  {name:<12} {p.describe()}" for name, p in PRESETS.items())
+    presets = "\n".join(
+        f"  {name:<12} {p.describe()}" for name, p in {**PRESETS, **HYBRID_PRESETS}.items()
+    )
     parser = CliParser(
         prog=PROG,
         description=description,
         epilog=f"presets:\n{presets}\n\nChoices are case-insensitive.",
     )
     parser.add_argument(
-        "--preset", type=lower, choices=list(PRESETS), default="llama3-8b", help="model shape"
+        "--preset",
+        type=lower,
+        choices=[*PRESETS, *HYBRID_PRESETS],
+        default="llama3-8b",
+        help="model shape (hybrid ones, with Mamba / GDN state, run with --store DIR)",
     )
     parser.add_argument(
         "--layers",
