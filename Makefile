@@ -47,6 +47,8 @@ test: install vllm-wheel redis-server
 # TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present);
 # then a restart through the file store: a TP=4 engine persists a prompt and exits, a new
 # TP=2 x PP=2 engine (empty regions) reads every page back from the files and verifies it;
+# a hybrid model (Qwen3-Next-like) persists its attention pages and its GDN state at TP=4 and
+# a TP=2 engine reads both back, every byte checked;
 # then two nodes sharing through one Redis server (a throwaway redis-server on a unix socket,
 # installed as `make test` does where it can, else this part is skipped): a TP=8 engine
 # persists, a TP=2 engine with its own directory reads every page from the server and keeps a
@@ -69,7 +71,10 @@ demo: install
 	$(VPY) -m canonical_ops demo --store "$$store" --phase read --reader-tp 2 --reader-pp 2 $(DEMO_STORE_ARGS); \
 	echo; echo "== fp8 KV (float8_e4m3fn, per-tensor scales in the namespace): TP=4 persists, TP=2 reads:"; \
 	$(VPY) -m canonical_ops demo --preset llama3-8b-fp8 --store "$$store" --phase write --writer-tp 4 $(DEMO_STORE_ARGS); \
-	$(VPY) -m canonical_ops demo --preset llama3-8b-fp8 --store "$$store" --phase read --reader-tp 2 $(DEMO_STORE_ARGS)
+	$(VPY) -m canonical_ops demo --preset llama3-8b-fp8 --store "$$store" --phase read --reader-tp 2 $(DEMO_STORE_ARGS); \
+	echo; echo "== a hybrid model (Qwen3-Next-like: GDN state + attention): TP=4 persists KV and state, TP=2 reads both:"; \
+	$(VPY) -m canonical_ops demo --preset qwen3-next-like --store "$$store" --phase write --writer-tp 4; \
+	$(VPY) -m canonical_ops demo --preset qwen3-next-like --store "$$store" --phase read --reader-tp 2
 	@$(MAKE) -s redis-server >/dev/null 2>&1 || true  # installs it where it can (root + apt-get)
 	@set -e; if ! command -v redis-server >/dev/null 2>&1; then \
 	  echo; echo "== Redis part skipped: redis-server is not installed (make redis-server)"; exit 0; fi; \
