@@ -94,6 +94,7 @@ demo: install
 # Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots;
 # then the file tier vs plain file I/O of the same bytes (BENCH_STORE_ARGS, e.g. --dir /mnt/nvme);
 # then the Redis tier vs redis-py's own pipelined SET/GET against one throwaway redis-server;
+# then fp8 KV vs bf16 per byte through the ops;
 # last, one screen of every goal with its measured ratio and met / not met (bench/summary.py).
 BENCH_OUT ?= bench/results
 bench: install redis-server
@@ -101,6 +102,7 @@ bench: install redis-server
 	$(VPY) bench/bench_layouts.py
 	$(VPY) bench/bench_store.py --quick --out $(BENCH_OUT) $(BENCH_STORE_ARGS)
 	$(VPY) bench/bench_redis.py --quick --out $(BENCH_OUT) $(BENCH_REDIS_ARGS)
+	$(VPY) bench/bench_fp8.py --quick --out $(BENCH_OUT)
 	@echo; $(VPY) bench/summary.py $(BENCH_OUT)
 
 lint: $(VENV)/.requirements

@@ -2,7 +2,7 @@
 
 Reads the ``goals`` list of each benchmark JSON in a results folder (what ``make bench``
 writes): ``bench_cpu.json`` / ``bench_cuda.json`` (bench_transfer.py: ``measured`` is a
-sentence), ``bench_store.json``, ``redis.json`` and ``bench_fp8.json`` (``measured`` and
+sentence), ``bench_store.json``, ``redis.json`` and ``fp8.json`` (``measured`` and
 ``target`` are ratios). A benchmark that did not run is listed as such, so a missing figure
 never reads as a met goal.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 SOURCES = (
     ("bench_cpu.json", "transfer (CPU)"),
     ("bench_cuda.json", "transfer (CUDA)"),
-    ("bench_fp8.json", "fp8 vs bf16"),
+    ("fp8.json", "fp8 vs bf16"),
     ("bench_store.json", "file tier"),
     ("redis.json", "Redis tier"),
 )
