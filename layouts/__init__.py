@@ -26,6 +26,11 @@ from .derive import (
 from .mapping import CanonicalPageMapping, CopyRun
 from .quant import KVScales, derive_scaled_group_mappings
 from .spec import LayerSpec, RankContext
+from .state import (
+    StateSpec,
+    derive_state_group_mappings,
+    state_certification_failure,
+)
 from .tiling import TilingError, verify_tiling
 
 __all__ = [
@@ -35,12 +40,15 @@ __all__ = [
     "KVScales",
     "LayerSpec",
     "RankContext",
+    "StateSpec",
     "TilingError",
     "canonical_format_id",
     "certification_failure",
     "derive_group_mappings",
     "derive_layer_mapping",
     "derive_scaled_group_mappings",
+    "derive_state_group_mappings",
     "opaque_fallback_mapping",
+    "state_certification_failure",
     "verify_tiling",
 ]
