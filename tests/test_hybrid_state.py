@@ -550,3 +550,50 @@ def test_demo_hybrid_usage_errors(tmp_path):
     )
     assert "cannot be resharded" in line
     assert_usage_error(run_demo(*HYBRID, "--store", "redis://localhost:1/0"), "one directory")
+
+
+def test_state_units_through_redis_tp4_to_tp2(tmp_path):
+    """The same state unit through the Redis tier: TP=4 ranks store, TP=2 ranks load."""
+    from helpers.redis_server import RedisBinaryMissing, RedisServer, redis_binaries
+
+    from canonical_ops.frontend.store import RedisStore
+
+    try:
+        redis_binaries()
+    except RedisBinaryMissing as error:
+        pytest.fail(str(error))
+    specs = state_specs()
+    truth = make_truth(specs)
+    state_ns = hybrid_namespace(MODEL, [attn_spec(4)] * 2, specs, _ctx(4)).state_units()
+    server = RedisServer(str(tmp_path / "redis")).start()
+    try:
+        rows = {}
+        for tp in (4, 2):
+            rows[tp] = torch.zeros(1, state_ns.total_bytes, dtype=torch.uint8)
+            workers = [
+                StateWorker([make_state_caches(s, tp) for s in specs], specs, _ctx(tp, r), rows[tp])
+                for r in range(tp)
+            ]
+            with RedisStore(server.url, state_ns) as store:
+                if tp == 4:
+                    for rank, worker in enumerate(workers):
+                        for layer, pair in enumerate(worker.state_caches):
+                            shard = state_shard(specs[layer], truth.states[layer], tp, rank)
+                            for tensor, data in zip(pair, shard):
+                                bits(tensor[1])[:] = from_bits(data)
+                        worker.store(slot_ids=[1], page_ids=[0])
+                    assert store.store(STATE_KEY, 0, rows[tp][0], BLOCKS - 1).status == "ok"
+                    continue
+                assert store.lookup([STATE_KEY], 0, len(specs)) == 1
+                assert store.load(STATE_KEY, 0, len(specs), rows[tp][0]).status == "ok"
+            for rank, worker in enumerate(workers):
+                worker.load(slot_ids=[2], page_ids=[0])
+                for layer, pair in enumerate(worker.state_caches):
+                    shard = state_shard(specs[layer], truth.states[layer], tp, rank)
+                    for tensor, data in zip(pair, shard):
+                        np.testing.assert_array_equal(
+                            bits(tensor[2]).numpy().view(data.dtype), data
+                        )
+        assert torch.equal(rows[2], rows[4])  # the canonical unit is the same bytes
+    finally:
+        server.stop()
