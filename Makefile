@@ -47,6 +47,7 @@ test: install vllm-wheel redis-server
 # TP=4 writer processes store a prompt's KV, TP=2 readers load and verify it (CUDA if present);
 # then a restart through the file store: a TP=4 engine persists a prompt and exits, a new
 # TP=2 x PP=2 engine (empty regions) reads every page back from the files and verifies it;
+# fp8 KV (per-tensor scales) persisted at TP=4 and read at TP=2 the same way;
 # a hybrid model (Qwen3-Next-like) persists its attention pages and its GDN state at TP=4 and
 # a TP=2 engine reads both back, every byte checked;
 # then two nodes sharing through one Redis server (a throwaway redis-server on a unix socket,
