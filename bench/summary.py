@@ -60,13 +60,10 @@ def _grouped(goals: list[dict]) -> list[tuple[str, str, str]]:
         if len(cases) == 1 or not all(isinstance(c.get("measured"), (int, float)) for c in cases):
             out.extend((str(c.get("goal", head)), _measured(c), _verdict(c)) for c in cases)
             continue
-        upper_bound = "<=" in head or "≤" in head
-
-        def shortfall(case: dict) -> float:
-            gap = float(case["measured"]) - float(case.get("target", 0.0))
-            return gap if upper_bound else -gap
-
-        worst = max(cases, key=shortfall)
+        sign = 1.0 if ("<=" in head or "≤" in head) else -1.0  # an upper bound: above is worse
+        worst = max(
+            cases, key=lambda c: sign * (float(c["measured"]) - float(c.get("target", 0.0)))
+        )
         met = sum(bool(c.get("met")) for c in cases)
         verdict = "met" if met == len(cases) else f"NOT MET ({met}/{len(cases)} cases)"
         out.append((head, f"worst {_measured(worst)} ({worst['case']})", verdict))
