@@ -58,8 +58,6 @@ def _as_ids(name: str, ids: IdsLike, device: torch.device, destination: str | No
     bools and strings raise TypeError rather than being rounded. ``destination``: ids
     that must be distinct (checked here for lists and arrays; the op checks host
     tensors; device tensors cannot be checked without a sync)."""
-    if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.dim() == 1:
-        return ids  # the common case, as check_ids would return it (the op checks the rest)
     checked = check_ids(name, ids)
     if isinstance(checked, torch.Tensor):
         return checked

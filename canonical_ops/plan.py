@@ -86,6 +86,20 @@ def describe_tensor(kv: torch.Tensor) -> str:
     return f"{kv.dtype} shape {tuple(kv.shape)} strides {tuple(kv.stride())}"
 
 
+def _dtype_problem(kv: torch.Tensor, spec: LayerSpec) -> str | None:
+    """How ``kv``'s dtype differs from ``spec``'s, or None if it is the spec's."""
+    try:
+        dtype = dtype_name(kv.dtype)
+    except ValueError:  # a dtype no KV cache is stored in
+        dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype == spec.dtype:
+        return None
+    return (
+        f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
+        f"({kv.element_size()} bytes per element)"
+    )
+
+
 def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
     """What differs between ``kv`` and the layout ``spec`` describes, or None if nothing.
 
@@ -117,26 +131,18 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
         found = None
     if found == spec:
         return None
-    try:
-        dtype = dtype_name(kv.dtype)
-    except ValueError:
-        dtype = str(kv.dtype).removeprefix("torch.")
+    dtype_problem = _dtype_problem(kv, spec)
     mla_layout_ok = spec.attention != "mla" or (spec.packing, spec.order) == ("packed", "NHD")
     if (
         found is not None
-        and dtype == spec.dtype
+        and dtype_problem is None
         and tuple(view.stride()[1:]) == strides
         and mla_layout_ok
     ):
         # Both layouts address the same bytes (e.g. one token and one head per block:
         # NHD is HND); from_tensor names the first, the tensor is exactly the spec's too.
         return None
-    problems = []
-    if dtype != spec.dtype:
-        problems.append(
-            f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
-            f"({kv.element_size()} bytes per element)"
-        )
+    problems = [dtype_problem] if dtype_problem is not None else []
     layout = "MLA latent rows" if spec.attention == "mla" else f"{spec.packing} {spec.order}"
     if tuple(kv.shape[1:]) != shape:
         problems.append(f"shape (num_blocks, {', '.join(map(str, shape))}), got {tuple(kv.shape)}")
@@ -163,15 +169,9 @@ def whole_page_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
     ``kv`` must hold ``spec``'s dtype and exactly one page of elements per block,
     whatever their layout inside the block.
     """
-    try:
-        dtype = dtype_name(kv.dtype)
-    except ValueError:
-        dtype = str(kv.dtype).removeprefix("torch.")
-    if dtype != spec.dtype:
-        return (
-            f"dtype {spec.dtype} ({spec.element_size} bytes per element), got {dtype} "
-            f"({kv.element_size()} bytes per element)"
-        )
+    dtype_problem = _dtype_problem(kv, spec)
+    if dtype_problem is not None:
+        return dtype_problem
     block_bytes = math.prod(kv.shape[1:]) * kv.element_size()
     if block_bytes != spec.page_size_bytes:
         return (

@@ -220,7 +220,7 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
     // Expansion runs one batch ahead of the copy (two batches of descriptors
     // used in turn), so the copy loop is as tight as one over pre-expanded
-    // descriptors and a load can prefetch `lookahead` items ahead across the
+    // descriptors and the copy can prefetch `lookahead` items ahead across the
     // batch boundary.
     Cursor cursor{view, blocks, page_list, begin, num_fragments};
     CopyDescriptor batches[2][kBatchItems];
