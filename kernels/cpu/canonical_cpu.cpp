@@ -1,6 +1,7 @@
 // CPU kernels of canonical_store / canonical_load: at::parallel_for over work
-// items (pair, fragment), one vector copy per fragment, expansion from plan.h
-// (layer_bases once per pair and layer). Built with -fopenmp: at::parallel_for
+// items (pair, fragment), one vector copy per fragment, walked as strided runs
+// of fragments derived once per plan (layer_bases from plan.h once per pair and
+// run). Built with -fopenmp: at::parallel_for
 // is inline OpenMP and runs serially without it (cpu_threads_used checks). A
 // forked child splits the same way over std::threads (see forked_child).
 #include <ATen/ATen.h>
@@ -30,9 +31,6 @@ namespace {
 
 // Work items per parallel chunk: enough bytes that thread hand-off is noise.
 constexpr int64_t kBytesPerChunk = 256 * 1024;
-// Work items expanded per batch (two batches of descriptors: 3 KiB of stack).
-constexpr int64_t kBatchItems = 64;
-static_assert(kPrefetchMaxItems <= kBatchItems, "a load prefetches at most one batch ahead");
 
 // libgomp cannot run a parallel region in a child forked from a process that
 // has already run one: its pool threads did not survive the fork and the region
@@ -78,6 +76,70 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& body) {
   for (auto& helper : helpers) helper.join();
 }
 
+// A run of `count` consecutive fragments of one layer and one size whose local
+// and canonical offsets each advance by a constant step: e.g. a TP rank's head in
+// each token of an NHD page, 16 records that become one run. Fragment
+// first_fragment + k lies at local_offset + k * local_step and canonical_offset +
+// k * canonical_step: exactly its record's offsets, so every bound that
+// verify_plan_words checked for the records holds for the run. Walking runs, the
+// kernel adds two steps per fragment instead of reading a record and recomputing
+// addresses (the cost that separated it from a copy over pre-expanded
+// descriptors at 256 B fragments).
+struct FragmentRun {
+  int64_t layer;
+  int64_t local_offset;
+  int64_t canonical_offset;
+  int64_t size;
+  int64_t count;
+  int64_t local_step;
+  int64_t canonical_step;
+  int64_t first_fragment;
+};
+
+// A verified private copy of a CPU plan's words, and the runs derived from them.
+struct CpuPlan {
+  std::vector<int64_t> words;
+  std::vector<FragmentRun> runs;
+  std::vector<int64_t> run_of_fragment;  // runs[run_of_fragment[f]] holds fragment f
+};
+
+// Greedy: a fragment joins the run before it when it has the run's layer and size
+// and continues both its steps (the second fragment of a run sets them). Offsets
+// of a verified plan lie in [0, 2^62], so their differences cannot overflow.
+void derive_runs(CpuPlan* plan) {
+  const PlanView view{plan->words.data()};
+  const int64_t num_fragments = view.num_fragments();
+  plan->run_of_fragment.resize(static_cast<size_t>(num_fragments));
+  for (int64_t f = 0; f < num_fragments; ++f) {
+    const int64_t* rec = view.fragment(f);
+    if (!plan->runs.empty()) {
+      FragmentRun& run = plan->runs.back();
+      const int64_t last_local = rec[kLocalOffset] - run.local_offset;
+      const int64_t last_canonical = rec[kCanonicalOffset] - run.canonical_offset;
+      if (run.layer == rec[kFragmentLayer] && run.size == rec[kFragmentBytes]) {
+        if (run.count == 1) {
+          run.local_step = last_local;
+          run.canonical_step = last_canonical;
+          run.count = 2;
+          plan->run_of_fragment[static_cast<size_t>(f)] =
+              static_cast<int64_t>(plan->runs.size()) - 1;
+          continue;
+        }
+        if (last_local == run.count * run.local_step &&
+            last_canonical == run.count * run.canonical_step) {
+          ++run.count;
+          plan->run_of_fragment[static_cast<size_t>(f)] =
+              static_cast<int64_t>(plan->runs.size()) - 1;
+          continue;
+        }
+      }
+    }
+    plan->runs.push_back(FragmentRun{rec[kFragmentLayer], rec[kLocalOffset],
+                                     rec[kCanonicalOffset], rec[kFragmentBytes], 1, 0, 0, f});
+    plan->run_of_fragment[static_cast<size_t>(f)] = static_cast<int64_t>(plan->runs.size()) - 1;
+  }
+}
+
 // Verified private copies of CPU plans, by plan identity (storage, offset, length),
 // so that verification runs once per plan rather than once per call. The words a
 // call follows are always the cached copy, and a call uses it only if the plan
@@ -86,7 +148,7 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& body) {
 // is copied and verified again. The weak reference to the storage keeps its
 // address from being reused by another tensor while the entry exists.
 struct VerifiedPlan {
-  std::shared_ptr<const std::vector<int64_t>> words;
+  std::shared_ptr<const CpuPlan> plan;
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
 };
 using PlanIdentity = std::tuple<const void*, int64_t, int64_t>;  // storage impl, offset, numel
@@ -101,7 +163,7 @@ std::map<PlanIdentity, VerifiedPlan>& plan_cache() {
   return cache;
 }
 
-std::shared_ptr<const std::vector<int64_t>> verified_cpu_plan(const at::Tensor& plan) {
+std::shared_ptr<const CpuPlan> verified_cpu_plan(const at::Tensor& plan) {
   const int64_t* user_words = plan.data_ptr<int64_t>();
   const int64_t num_words = plan.numel();
   const size_t num_bytes = static_cast<size_t>(num_words) * sizeof(int64_t);
@@ -111,12 +173,14 @@ std::shared_ptr<const std::vector<int64_t>> verified_cpu_plan(const at::Tensor& 
     const std::lock_guard<std::mutex> lock(plan_cache_mutex());
     const auto found = plan_cache().find(identity);
     if (found != plan_cache().end() && !found->second.storage.expired() &&
-        std::memcmp(found->second.words->data(), user_words, num_bytes) == 0) {
-      return found->second.words;
+        std::memcmp(found->second.plan->words.data(), user_words, num_bytes) == 0) {
+      return found->second.plan;
     }
   }
-  auto words = std::make_shared<const std::vector<int64_t>>(user_words, user_words + num_words);
-  verify_plan_words(words->data(), num_words);  // throws: nothing is cached
+  auto verified = std::make_shared<CpuPlan>();
+  verified->words.assign(user_words, user_words + num_words);
+  verify_plan_words(verified->words.data(), num_words);  // throws: nothing is cached
+  derive_runs(verified.get());
   const std::lock_guard<std::mutex> lock(plan_cache_mutex());
   auto& cache = plan_cache();
   if (cache.size() >= kMaxCachedPlans) {
@@ -125,59 +189,98 @@ std::shared_ptr<const std::vector<int64_t>> verified_cpu_plan(const at::Tensor& 
     }
     if (cache.size() >= kMaxCachedPlans) cache.erase(cache.begin());
   }
-  cache.insert_or_assign(identity, VerifiedPlan{words, plan.storage().getWeakStorageImpl()});
-  return words;
+  cache.insert_or_assign(identity, VerifiedPlan{verified, plan.storage().getWeakStorageImpl()});
+  return verified;
 }
 
-struct CopyDescriptor {
-  uint8_t* dst;
-  const uint8_t* src;
-  int64_t size;  // 0: skip (a store's page this rank does not write)
-};
-
-// Walks work items (pair, fragment) in order, keeping the current layer's
-// bases so that only a layer change or a new pair recomputes them.
-class Cursor {
+// Walks work items (pair, fragment) in order, run by run: the next fragment of a
+// run is two additions away; a new run reads its record and, on a new pair or
+// layer, the layer's bases. The ids and plan are private copies checked by
+// validate_call, and a walker is only moved to items inside the call.
+class RunWalker {
  public:
-  Cursor(const PlanView& view, const int64_t* blocks, const int64_t* pages, int64_t item,
-         int64_t num_fragments)
-      : view_(view),
-        blocks_(blocks),
+  RunWalker(const CpuPlan& plan, uint8_t* const* layer_base, uint8_t* pages,
+            const int64_t* blocks, const int64_t* page_ids, bool store)
+      : plan_(plan),
+        view_{plan.words.data()},
+        layer_base_(layer_base),
         pages_(pages),
-        pair_(item / num_fragments),
-        fragment_(item % num_fragments) {}
+        blocks_(blocks),
+        page_ids_(page_ids),
+        num_fragments_(view_.num_fragments()),
+        num_runs_(static_cast<int64_t>(plan.runs.size())),
+        store_(store) {}
 
-  const int64_t* fragment_record() const { return record_; }
-  const LayerBases& bases() const { return bases_; }
+  void seek(int64_t item) {
+    pair_ = item / num_fragments_;
+    const int64_t fragment = item % num_fragments_;
+    run_index_ = plan_.run_of_fragment[static_cast<size_t>(fragment)];
+    const FragmentRun& run = plan_.runs[static_cast<size_t>(run_index_)];
+    layer_ = -1;
+    enter(run, fragment - run.first_fragment);
+  }
 
-  void advance(int64_t num_fragments) {
-    if (++fragment_ == num_fragments) {
-      fragment_ = 0;
+  void next() {
+    if (left_in_run_ < 0) {
+      ++left_in_run_;
+      src_ += src_step_;
+      dst_ += dst_step_;
+      return;
+    }
+    if (++run_index_ == num_runs_) {
+      run_index_ = 0;
       ++pair_;
       layer_ = -1;
     }
+    enter(plan_.runs[static_cast<size_t>(run_index_)], 0);
   }
 
-  // Reads the current item's fragment record and, on a new pair or layer,
-  // its bases. Only called for items inside the call; the ids and plan words are
-  // private copies checked by validate_call, so they stay in range.
-  void seek() {
-    record_ = view_.fragment(fragment_);
-    if (record_[kFragmentLayer] != layer_) {
-      layer_ = record_[kFragmentLayer];
-      bases_ = layer_bases(view_, layer_, blocks_[pair_], pages_[pair_]);
+  uint8_t* dst() const { return dst_; }
+  const uint8_t* src() const { return src_; }
+  int64_t size() const { return size_; }  // 0: a store's page this rank does not write
+
+ private:
+  void enter(const FragmentRun& run, int64_t k) {
+    if (run.layer != layer_) {
+      layer_ = run.layer;
+      bases_ = layer_bases(view_, layer_, blocks_[pair_], page_ids_[pair_]);
+    }
+    uint8_t* kv = layer_base_[run.layer] + bases_.local_base + run.local_offset;
+    uint8_t* canonical = pages_ + bases_.canonical_base + run.canonical_offset;
+    // k < run.count: both products are offset differences of verified records.
+    kv += k * run.local_step;
+    canonical += k * run.canonical_step;
+    left_in_run_ = k + 1 - run.count;  // -(fragments after this one in the run)
+    if (store_) {
+      src_ = kv, dst_ = canonical;
+      src_step_ = run.local_step, dst_step_ = run.canonical_step;
+      size_ = bases_.is_writer ? run.size : 0;
+    } else {
+      src_ = canonical, dst_ = kv;
+      src_step_ = run.canonical_step, dst_step_ = run.local_step;
+      size_ = run.size;
     }
   }
 
- private:
+  const CpuPlan& plan_;
   PlanView view_;
+  uint8_t* const* layer_base_;
+  uint8_t* pages_;
   const int64_t* blocks_;
-  const int64_t* pages_;
-  int64_t pair_;
-  int64_t fragment_;
+  const int64_t* page_ids_;
+  int64_t num_fragments_;
+  int64_t num_runs_;
+  bool store_;
+  int64_t pair_ = 0;
+  int64_t run_index_ = 0;
   int64_t layer_ = -1;
-  const int64_t* record_ = nullptr;
+  int64_t left_in_run_ = 0;
   LayerBases bases_{};
+  const uint8_t* src_ = nullptr;
+  uint8_t* dst_ = nullptr;
+  int64_t src_step_ = 0;
+  int64_t dst_step_ = 0;
+  int64_t size_ = 0;
 };
 
 void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pages,
@@ -191,8 +294,8 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
                     plan.device().str());
   // A CPU plan is host memory the caller can change at any time: the kernel follows
   // a private, verified copy, found again by the plan's identity and contents.
-  const std::shared_ptr<const std::vector<int64_t>> words = verified_cpu_plan(plan);
-  const PlanView view{words->data()};
+  const std::shared_ptr<const CpuPlan> cpu_plan = verified_cpu_plan(plan);
+  const PlanView view{cpu_plan->words.data()};
   // The ids the kernel follows are validate_call's private, checked copies.
   const CallInfo info =
       validate_call(op, kv_caches, cpu_pages, plan, block_ids, page_ids, view, store);
@@ -218,50 +321,20 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   const int64_t lookahead = prefetch_items(bytes_per_pair, num_fragments, store);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
-    // Expansion runs one batch ahead of the copy (two batches of descriptors
-    // used in turn), so the copy loop is as tight as one over pre-expanded
-    // descriptors and the copy can prefetch `lookahead` items ahead across the
-    // batch boundary.
-    Cursor cursor{view, blocks, page_list, begin, num_fragments};
-    CopyDescriptor batches[2][kBatchItems];
-    auto expand_batch = [&](CopyDescriptor* out, int64_t count) {
-      for (int64_t i = 0; i < count; ++i) {
-        cursor.seek();
-        const int64_t* frag = cursor.fragment_record();
-        const LayerBases& bases = cursor.bases();
-        uint8_t* kv = layer_base[frag[kFragmentLayer]] + bases.local_base + frag[kLocalOffset];
-        uint8_t* canonical = pages + bases.canonical_base + frag[kCanonicalOffset];
-        const int64_t size = frag[kFragmentBytes];
-        if (store) {
-          out[i] = {canonical, kv, bases.is_writer ? size : 0};
-        } else {
-          out[i] = {kv, canonical, size};
-        }
-        cursor.advance(num_fragments);
+    // One walker copies; a second, `lookahead` items ahead, prefetches (loads:
+    // the scattered canonical source; large fragments: both directions).
+    RunWalker walker{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
+    RunWalker ahead{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
+    walker.seek(begin);
+    int64_t ahead_item = lookahead > 0 ? begin + lookahead : end;
+    if (ahead_item < end) ahead.seek(ahead_item);
+    for (int64_t item = begin; item < end; ++item) {
+      if (ahead_item < end) {
+        if (ahead.size() > 0) prefetch_fragment(ahead.src(), ahead.size());
+        if (++ahead_item < end) ahead.next();
       }
-    };
-    int64_t current_count = std::min(kBatchItems, end - begin);
-    expand_batch(batches[0], current_count);
-    int64_t next_start = begin + current_count;
-    for (int which = 0; current_count > 0; which ^= 1) {
-      const CopyDescriptor* current = batches[which];
-      CopyDescriptor* next = batches[which ^ 1];
-      const int64_t next_count = std::min(kBatchItems, end - next_start);
-      expand_batch(next, next_count);
-      for (int64_t i = 0; i < current_count; ++i) {
-        if (lookahead > 0) {
-          const int64_t j = i + lookahead;
-          const CopyDescriptor* ahead = j < current_count ? current + j
-                                        : j - current_count < next_count
-                                            ? next + (j - current_count)
-                                            : nullptr;
-          if (ahead != nullptr) prefetch_fragment(ahead->src, ahead->size);
-        }
-        const CopyDescriptor& d = current[i];
-        if (d.size > 0) copy_fragment(d.dst, d.src, d.size, streaming);
-      }
-      current_count = next_count;
-      next_start += next_count;
+      if (walker.size() > 0) copy_fragment(walker.dst(), walker.src(), walker.size(), streaming);
+      if (item + 1 < end) walker.next();
     }
     if (streaming) publish_streaming_stores();
   });
