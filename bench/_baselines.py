@@ -314,10 +314,8 @@ class CpuShim:
 
         self.path = _built_library(build_dir, self.SOURCE, command, timeout_s)
         so = ctypes.CDLL(self.path)
-        so.shim_prefetch_items.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        so.shim_prefetch_items.restype = ctypes.c_int64
         so.shim_cpu_descriptor_copy.argtypes = (
-            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+            [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
         )
         so.shim_cpu_descriptor_copy.restype = None
         self.so = so
@@ -330,12 +328,12 @@ class CpuShim:
         src, dst, sizes = sides
         count = int(src.shape[0])
         total = count // geo.fragments_per_pair * geo.bytes_per_pair
-        ahead = self.so.shim_prefetch_items(geo.bytes_per_pair, geo.fragments_per_pair, int(store))
         ptrs = (src.ctypes.data, dst.ctypes.data, sizes.ctypes.data)
+        geometry = (geo.bytes_per_pair, geo.fragments_per_pair)
         fn = self.so.shim_cpu_descriptor_copy
 
         def copy(keep_alive=sides) -> None:  # the closure owns the arrays behind ptrs
-            fn(*ptrs, count, total, ahead, torch.get_num_threads(), int(store))
+            fn(*ptrs, count, total, *geometry, torch.get_num_threads(), int(store))
 
         return copy
 

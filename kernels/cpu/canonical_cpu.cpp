@@ -321,16 +321,16 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   const int64_t lookahead = prefetch_items(bytes_per_pair, num_fragments, store);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
-    // One walker copies; a second, `lookahead` items ahead, prefetches (loads:
-    // the scattered canonical source; large fragments: both directions).
+    // One walker copies; a second, `lookahead` items ahead, feeds the prefetcher.
     RunWalker walker{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
     RunWalker ahead{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
     walker.seek(begin);
-    int64_t ahead_item = lookahead > 0 ? begin + lookahead : end;
+    Prefetcher prefetcher{store, bytes_per_pair, num_fragments};
+    int64_t ahead_item = begin + lookahead;
     if (ahead_item < end) ahead.seek(ahead_item);
     for (int64_t item = begin; item < end; ++item) {
       if (ahead_item < end) {
-        if (ahead.size() > 0) prefetch_fragment(ahead.src(), ahead.size());
+        prefetcher.ahead(ahead.src(), ahead.dst(), ahead.size());
         if (++ahead_item < end) ahead.next();
       }
       if (walker.size() > 0) copy_fragment(walker.dst(), walker.src(), walker.size(), streaming);
