@@ -2,9 +2,10 @@
 // no hash: the page-cache read of a unit (one pread of the payload) against the same
 // read in pieces, each followed by the cheapest pass a verification could make over
 // the bytes while they are still in the core's cache: (a) one 8-byte load per 64-byte
-// line, (b) a sum of every word. Any checksum over every byte does at least (b)'s
-// work (-O3 vectorizes it), so the ratio of (b) bounds what the file tier's warm loads can reach against
-// plain reads, whatever the checksum (XXH3-128 adds its arithmetic on top).
+// line, (b) a sum of every word (vectorized at -O3). Any checksum over every byte
+// does at least (b)'s work, so (b)'s ratio bounds what the file tier's warm loads
+// can reach against plain reads, whatever the checksum (XXH3-128 adds its
+// arithmetic on top).
 //
 //   gcc -O3 -march=native bench/read_verify_limit.c -o /tmp/read_verify_limit
 //   /tmp/read_verify_limit [PIECE_KIB=1024] [UNITS=128] [DIR=/tmp]
