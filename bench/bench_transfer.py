@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -380,10 +381,11 @@ def measure(
 ) -> dict[MethodKey, Timing]:
     """Round-robin best-of-N timing of ``fns``, each call in its own NVTX range.
 
-    Each round starts one method later than the one before, so that no method always
-    follows the same one: a call runs faster after one that left its pages' page-table
-    entries or its source in the caches (a sparse TP=8 store measured 0.82x of a torch
-    copy when it always came right after the copies, 0.97x with the order rotated).
+    Each round runs the methods in its own order (a shuffle, seeded by the round), so that
+    no method always follows the same one: a call runs faster after one that left the same
+    pages' page-table entries or its source in the caches (a sparse TP=8 store measured
+    0.82x of a torch copy when it always came right after the copies, 0.97x with the order
+    varied; a store always right after another store of the same pages gains ~10-20%).
 
     Parameters
     ----------
@@ -424,8 +426,9 @@ def measure(
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     keys = list(fns)
     for rep in range(repeats):
-        shift = rep % max(1, len(keys))
-        for key in keys[shift:] + keys[:shift]:
+        order = keys.copy()
+        random.Random(rep).shuffle(order)
+        for key in order:
             fn = fns[key]
             if repeats_of and rep >= repeats_of.get(key, repeats):
                 continue
