@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import itertools
 import json
 import os
@@ -222,29 +223,64 @@ def make_config(quick: bool, cuda: bool) -> Config:
 
 
 _PAGE = 4096
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 
 
-def _page_aligned(nbytes: int, **kwargs) -> torch.Tensor:
+def _page_aligned(nbytes: int, *, huge: bool = False, **kwargs) -> torch.Tensor:
     """A uint8 tensor starting on a 4 KiB boundary, as a real page store does (a shared
     memory region or a pinned cudaHostAlloc buffer). torch's CPU allocator returns addresses
-    64 bytes past a page boundary, which would make every 4 KiB fragment straddle two pages."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, **kwargs)
-    return raw[(-raw.data_ptr()) % _PAGE :][:nbytes]
+    64 bytes past a page boundary, which would make every 4 KiB fragment straddle two pages.
+
+    ``huge`` (CPU, not yet touched): 2 MiB-aligned and madvise(MADV_HUGEPAGE)'d, as
+    SharedOffloadRegion asks for its mapping, so transparent huge pages back it where
+    the kernel allows (see :func:`anon_huge_page_bytes`)."""
+    align = _HUGE_PAGE if huge else _PAGE
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, **kwargs)
+    out = raw[(-raw.data_ptr()) % align :][:nbytes]
+    if huge:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        length = nbytes // _HUGE_PAGE * _HUGE_PAGE
+        if length and libc.madvise(out.data_ptr(), length, _MADV_HUGEPAGE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")
+    return out
+
+
+def anon_huge_page_bytes() -> int:
+    """This process's memory backed by transparent huge pages (smaps_rollup), 0 if unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class Workspace:
     """Pools reused by every case (no per-case allocation, pinned once on CUDA)."""
 
-    def __init__(self, device: torch.device, kv_bytes: int, pages_bytes: int, desc_words: int):
+    def __init__(
+        self,
+        device: torch.device,
+        kv_bytes: int,
+        pages_bytes: int,
+        desc_words: int,
+        *,
+        huge_pages: bool = False,
+    ):
         cuda = device.type == "cuda"
         self.device, self.cuda = device, cuda
+        huge = huge_pages and not cuda  # pinned CUDA host memory is the driver's
         with nvtx_range("workspace"):
-            self.kv = _page_aligned(kv_bytes, device=device)
+            self.kv = _page_aligned(kv_bytes, device=device, huge=huge)
             self.kv.fill_(1)
-            self.pages = _page_aligned(pages_bytes, pin_memory=cuda)
+            self.pages = _page_aligned(pages_bytes, pin_memory=cuda, huge=huge)
             self.pages.fill_(2)
             # The limit's other side (CPU: destination; CUDA: pinned host end of the copy).
-            self.limit = _page_aligned(kv_bytes, pin_memory=cuda)
+            self.limit = _page_aligned(kv_bytes, pin_memory=cuda, huge=huge)
             self.limit.fill_(3)
             self.desc = torch.empty(desc_words, dtype=torch.int64, pin_memory=cuda)
             self.desc_np = self.desc.numpy()
@@ -890,6 +926,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; skip the rest")
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="CPU pools on transparent huge pages (madvise), as SharedOffloadRegion asks",
+    )
     parser.add_argument("--build-dir", default=None, help="where the CUDA baseline shim builds")
     parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--preflight-methods", default=None, help=argparse.SUPPRESS)
@@ -1059,7 +1100,16 @@ def prepare(run: Run) -> None:
         f"descriptors {desc_words // 3} -> {run.out}",
         flush=True,
     )
-    bench.ws = Workspace(run.device, kv_bytes, pages_bytes, desc_words)
+    bench.ws = Workspace(
+        run.device, kv_bytes, pages_bytes, desc_words, huge_pages=run.args.huge_pages
+    )
+    if run.args.huge_pages:
+        meta["huge_pages_bytes"] = anon_huge_page_bytes()
+        print(
+            f"[bench] --huge-pages: {meta['huge_pages_bytes'] / 2**20:.0f} MiB of this "
+            "process on transparent huge pages",
+            flush=True,
+        )
     if run.cuda:
         bench.check_uva()
         meta["unavailable"] = dict(bench.unavailable)

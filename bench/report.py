@@ -519,6 +519,12 @@ def render_markdown(results: dict) -> str:
         f"{meta['torch_threads']}), torch {meta['torch']}, numpy {meta['numpy']}, "
         f"{meta['date']}; `{meta['command']}`; {meta.get('elapsed_s', '?')} s."
     )
+    if "huge_pages_bytes" in meta:
+        lines.append("")
+        lines.append(
+            f"Pools on transparent huge pages (`--huge-pages`): "
+            f"{meta['huge_pages_bytes'] / 2**20:.0f} MiB of the process backed by them."
+        )
     lines.append("")
     if meta.get("unavailable"):
         for name, why in meta["unavailable"].items():
