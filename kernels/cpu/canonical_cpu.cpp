@@ -104,39 +104,39 @@ struct CpuPlan {
 };
 
 // Greedy: a fragment joins the run before it when it has the run's layer and size
-// and continues both its steps (the second fragment of a run sets them). Offsets
-// of a verified plan lie in [0, 2^62], so their differences cannot overflow.
+// and continues both its steps from the run's last fragment (the second fragment of
+// a run sets them). A verified plan's offsets are non-negative int64, so their
+// differences cannot overflow, and no product is formed.
 void derive_runs(CpuPlan* plan) {
   const PlanView view{plan->words.data()};
   const int64_t num_fragments = view.num_fragments();
+  auto& runs = plan->runs;
   plan->run_of_fragment.resize(static_cast<size_t>(num_fragments));
+  int64_t last_local = 0, last_canonical = 0;  // offsets of the last run's last fragment
   for (int64_t f = 0; f < num_fragments; ++f) {
     const int64_t* rec = view.fragment(f);
-    if (!plan->runs.empty()) {
-      FragmentRun& run = plan->runs.back();
-      const int64_t last_local = rec[kLocalOffset] - run.local_offset;
-      const int64_t last_canonical = rec[kCanonicalOffset] - run.canonical_offset;
-      if (run.layer == rec[kFragmentLayer] && run.size == rec[kFragmentBytes]) {
-        if (run.count == 1) {
-          run.local_step = last_local;
-          run.canonical_step = last_canonical;
-          run.count = 2;
-          plan->run_of_fragment[static_cast<size_t>(f)] =
-              static_cast<int64_t>(plan->runs.size()) - 1;
-          continue;
-        }
-        if (last_local == run.count * run.local_step &&
-            last_canonical == run.count * run.canonical_step) {
-          ++run.count;
-          plan->run_of_fragment[static_cast<size_t>(f)] =
-              static_cast<int64_t>(plan->runs.size()) - 1;
-          continue;
-        }
+    const int64_t local = rec[kLocalOffset], canonical = rec[kCanonicalOffset];
+    bool joins = false;
+    if (!runs.empty()) {
+      FragmentRun& run = runs.back();
+      const int64_t local_step = local - last_local;
+      const int64_t canonical_step = canonical - last_canonical;
+      joins = run.layer == rec[kFragmentLayer] && run.size == rec[kFragmentBytes] &&
+              (run.count == 1 ||
+               (local_step == run.local_step && canonical_step == run.canonical_step));
+      if (joins) {
+        run.local_step = local_step;
+        run.canonical_step = canonical_step;
+        ++run.count;
       }
     }
-    plan->runs.push_back(FragmentRun{rec[kFragmentLayer], rec[kLocalOffset],
-                                     rec[kCanonicalOffset], rec[kFragmentBytes], 1, 0, 0, f});
-    plan->run_of_fragment[static_cast<size_t>(f)] = static_cast<int64_t>(plan->runs.size()) - 1;
+    if (!joins) {
+      runs.push_back(FragmentRun{rec[kFragmentLayer], local, canonical, rec[kFragmentBytes], 1, 0,
+                                 0, f});
+    }
+    last_local = local;
+    last_canonical = canonical;
+    plan->run_of_fragment[static_cast<size_t>(f)] = static_cast<int64_t>(runs.size()) - 1;
   }
 }
 
