@@ -84,10 +84,14 @@ constexpr int64_t kPrefetchLargeFragmentItems = 2;   // ... this many items ahea
 constexpr int64_t kPrefetchBytesPerFragment = 512;   // source lines asked for per fragment
 constexpr int kPageShift = 12;                       // the OS page a store's walk is for
 
+// The average fragment of a plan (at least 1 byte), which sets the prefetching.
+inline int64_t average_fragment_bytes(int64_t bytes_per_pair, int64_t num_fragments) {
+  return std::max<int64_t>(1, bytes_per_pair / std::max<int64_t>(1, num_fragments));
+}
+
 // Work items a store (`store`) or a load prefetches ahead (always >= 2).
 inline int64_t prefetch_items(int64_t bytes_per_pair, int64_t num_fragments, bool store) {
-  const int64_t average =
-      std::max<int64_t>(1, bytes_per_pair / std::max<int64_t>(1, num_fragments));
+  const int64_t average = average_fragment_bytes(bytes_per_pair, num_fragments);
   if (average >= kPrefetchMaxFragmentBytes) return kPrefetchLargeFragmentItems;
   const int64_t ahead_bytes = store ? kStorePrefetchAheadBytes : kLoadPrefetchAheadBytes;
   return std::clamp<int64_t>(ahead_bytes / average, 2, kPrefetchMaxItems);
@@ -113,7 +117,7 @@ class Prefetcher {
  public:
   Prefetcher(bool store, int64_t bytes_per_pair, int64_t num_fragments)
       : store_(store),
-        large_(std::max<int64_t>(1, bytes_per_pair / std::max<int64_t>(1, num_fragments)) >=
+        large_(average_fragment_bytes(bytes_per_pair, num_fragments) >=
                kPrefetchMaxFragmentBytes) {}
 
   void ahead(const uint8_t* src, const uint8_t* dst, int64_t size) {
