@@ -643,3 +643,29 @@ def test_pinned_region(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
             ptr = attacher.tensor.data_ptr()
         err, _ = cudart.cudaHostGetFlags(ptr)
         assert err != cudart.cudaError_t.cudaSuccess, "close() must unregister"
+
+
+def _vm_flags_of_mapping(path: str) -> list[str] | None:
+    """The VmFlags of this process's mapping of ``path`` (/proc/self/smaps), or None."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and line.startswith("VmFlags:"):
+                return fields[1:]
+    return None
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="kernel without THP"
+)
+def test_region_mapping_asks_for_huge_pages(engine: str) -> None:
+    """The mapping is madvise(MADV_HUGEPAGE)'d ("hg"): sparse TP transfers walk fewer pages
+    where shmem huge pages are allowed (whether they are is the system's setting)."""
+    with _region(engine, 0, 2) as region:
+        flags = _vm_flags_of_mapping(region.path)
+    assert SharedOffloadRegion.remove_closed_marker(engine)  # rank 1 never came
+    assert flags is not None, f"no mapping of {region.path} in /proc/self/smaps"
+    assert "hg" in flags, flags
