@@ -318,20 +318,26 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
   int64_t call_bytes = 0;
   const bool streaming = !checked_mul(info.num_pairs, bytes_per_pair, &call_bytes) ||
                          call_bytes >= streaming_call_bytes(store);
-  const int64_t lookahead = prefetch_items(bytes_per_pair, num_fragments, store);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
-    // One walker copies; a second, `lookahead` items ahead, feeds the prefetcher.
-    RunWalker walker{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
-    RunWalker ahead{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
-    walker.seek(begin);
+    // One walker copies; two more, ahead of it, feed the prefetcher (lines, page).
     Prefetcher prefetcher{store, bytes_per_pair, num_fragments};
-    int64_t ahead_item = begin + lookahead;
-    if (ahead_item < end) ahead.seek(ahead_item);
+    RunWalker walker{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
+    RunWalker lines{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
+    RunWalker page{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
+    walker.seek(begin);
+    int64_t lines_item = prefetcher.lines_ahead() > 0 ? begin + prefetcher.lines_ahead() : end;
+    int64_t page_item = prefetcher.page_ahead() > 0 ? begin + prefetcher.page_ahead() : end;
+    if (lines_item < end) lines.seek(lines_item);
+    if (page_item < end) page.seek(page_item);
     for (int64_t item = begin; item < end; ++item) {
-      if (ahead_item < end) {
-        prefetcher.ahead(ahead.src(), ahead.dst(), ahead.size());
-        if (++ahead_item < end) ahead.next();
+      if (page_item < end) {
+        prefetcher.page(page.src(), page.dst(), page.size());
+        if (++page_item < end) page.next();
+      }
+      if (lines_item < end) {
+        prefetcher.lines(lines.src(), lines.size());
+        if (++lines_item < end) lines.next();
       }
       if (walker.size() > 0) copy_fragment(walker.dst(), walker.src(), walker.size(), streaming);
       if (item + 1 < end) walker.next();

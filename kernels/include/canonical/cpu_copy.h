@@ -58,38 +58,42 @@ inline int64_t streaming_call_bytes(bool store) {
   return store ? kMinStreamingCallBytes : load_bytes;
 }
 
-// Prefetching, `prefetch_items` work items ahead of the copy. A TP rank's
-// fragments are scattered over the canonical pages (a load's source, a store's
-// destination), which no hardware prefetcher follows: each fragment would wait
-// a full miss, and a page walk, since at 1/8 of a page per rank and 4 KiB OS
-// pages nearly every fragment or pair of fragments is on a page of its own.
-// * Loads ask for the first lines of the canonical source fragment, about
-//   kLoadPrefetchAheadBytes of work ahead (~1.4x for 256 B - 1 KiB fragments on
-//   2 threads here).
-// * Stores ask, once per 4 KiB page, for the first line of the destination
-//   fragment, non-temporally (the streaming stores then overwrite it): the point
-//   is the page walk, done ahead and off the copy's path. Sparse TP=8 stores vs a
-//   pre-expanded copy without it: 256 B 0.88x -> 0.97-1.00x, 512 B 0.84x ->
-//   0.92-0.95x, 4 KiB 0.94x -> 0.98-1.01x of a torch copy here.
-// * Fragments of 4 KiB and more (both directions) ask for the first lines of the
-//   source of the fragment after next: the hardware prefetcher then streams
-//   inside a fragment that has already started arriving (TP=8 4 KiB: loads
-//   0.92x -> 1.09x, stores 0.87x -> 0.93x of a torch copy here; asking for more
-//   lines, or further ahead, was slower).
+// Prefetching ahead of the copy. A TP rank's fragments are scattered over the
+// canonical pages (a load's source, a store's destination), which no hardware
+// prefetcher follows: each fragment would wait a full miss, and a page walk,
+// since at 1/8 of a page per rank and 4 KiB OS pages nearly every fragment or
+// pair of fragments is on a page of its own. Two distances, in work items:
+// * lines (`Prefetcher::lines_ahead`): loads ask for the first lines of the
+//   canonical source fragment about kLoadPrefetchAheadBytes of work ahead (~1.4x
+//   for 256 B - 1 KiB fragments on 2 threads here). Fragments of 4 KiB and more
+//   (both directions) ask for the first lines of the source of the fragment after
+//   next: the hardware prefetcher then streams inside a fragment that has already
+//   started arriving (TP=8 4 KiB: loads 0.92x -> 1.09x, stores 0.87x -> 0.93x of
+//   a torch copy here; more lines, or further ahead, was slower).
+// * page (`Prefetcher::page_ahead`): once per 4 KiB page of the scattered side,
+//   its first line, non-temporally: the point is the page walk, done ahead and
+//   off the copy's path. Stores (whose streaming stores then overwrite the line),
+//   about kStorePrefetchAheadBytes ahead: sparse TP=8 vs a pre-expanded copy
+//   without it, 256 B 0.88x -> 0.97-1.00x, 512 B 0.84x -> 0.92-0.95x, 4 KiB 0.94x
+//   -> 0.98-1.01x of a torch copy here. Loads of fragments under 4 KiB,
+//   kLoadPagePrefetchFactor times further than their lines, so that the walk is
+//   done when the lines are asked for: sparse TP=8 256 B loads 0.81-0.83x ->
+//   0.89x (same loop, shuffled A/B); 4 KiB loads lost up to 10% with it, so none.
 constexpr int64_t kLoadPrefetchAheadBytes = 2048;
 constexpr int64_t kStorePrefetchAheadBytes = 4096;
+constexpr int64_t kLoadPagePrefetchFactor = 4;
 constexpr int64_t kPrefetchMaxItems = 16;
 constexpr int64_t kPrefetchMaxFragmentBytes = 4096;  // average fragment from which ...
 constexpr int64_t kPrefetchLargeFragmentItems = 2;   // ... this many items ahead are used
 constexpr int64_t kPrefetchBytesPerFragment = 512;   // source lines asked for per fragment
-constexpr int kPageShift = 12;                       // the OS page a store's walk is for
+constexpr int kPageShift = 12;                       // the OS page a walk is for
 
 // The average fragment of a plan (at least 1 byte), which sets the prefetching.
 inline int64_t average_fragment_bytes(int64_t bytes_per_pair, int64_t num_fragments) {
   return std::max<int64_t>(1, bytes_per_pair / std::max<int64_t>(1, num_fragments));
 }
 
-// Work items a store (`store`) or a load prefetches ahead (always >= 2).
+// Work items a store (`store`) or a load asks for lines ahead (always >= 2).
 inline int64_t prefetch_items(int64_t bytes_per_pair, int64_t num_fragments, bool store) {
   const int64_t average = average_fragment_bytes(bytes_per_pair, num_fragments);
   if (average >= kPrefetchMaxFragmentBytes) return kPrefetchLargeFragmentItems;
@@ -97,48 +101,56 @@ inline int64_t prefetch_items(int64_t bytes_per_pair, int64_t num_fragments, boo
   return std::clamp<int64_t>(ahead_bytes / average, 2, kPrefetchMaxItems);
 }
 
-// Asks for the first lines of a fragment (a load's canonical source, or any large
-// fragment's source).
-inline void prefetch_source(const uint8_t* src, int64_t size) {
-#if defined(__SSE__)
-  const int64_t reach = std::min<int64_t>(size, kPrefetchBytesPerFragment);
-  for (int64_t offset = 0; offset < reach; offset += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(src + offset), _MM_HINT_T0);
-  }
-#else
-  (void)src;
-  (void)size;
-#endif
-}
-
-// What one copying thread asks for ahead of its copy: see above. Feed it the
-// fragments `prefetch_items` ahead of the one being copied, in order.
+// What one copying thread asks for ahead of its copy: see above. Feed `lines` the
+// fragment `lines_ahead()` items ahead of the one being copied and `page` the one
+// `page_ahead()` items ahead, in order.
 class Prefetcher {
  public:
   Prefetcher(bool store, int64_t bytes_per_pair, int64_t num_fragments)
       : store_(store),
-        large_(average_fragment_bytes(bytes_per_pair, num_fragments) >=
-               kPrefetchMaxFragmentBytes) {}
+        large_(average_fragment_bytes(bytes_per_pair, num_fragments) >= kPrefetchMaxFragmentBytes),
+        source_lines_(!store || large_),
+        items_(prefetch_items(bytes_per_pair, num_fragments, store)),
+        lines_ahead_(source_lines_ ? items_ : 0),
+        page_ahead_(store ? items_ : large_ ? 0 : kLoadPagePrefetchFactor * items_) {}
 
-  void ahead(const uint8_t* src, const uint8_t* dst, int64_t size) {
-    if (size <= 0) return;  // a store's page this rank does not write
-    if (!store_ || large_) prefetch_source(src, size);
+  // Items ahead of the copy to feed lines() and page(); 0: none.
+  int64_t lines_ahead() const { return lines_ahead_; }
+  int64_t page_ahead() const { return page_ahead_; }
+
+  // The first lines of a fragment's source (loads, and large fragments).
+  void lines(const uint8_t* src, int64_t size) const {
+    if (size <= 0) return;
 #if defined(__SSE__)
-    if (store_) {
-      const uintptr_t page = reinterpret_cast<uintptr_t>(dst) >> kPageShift;
-      if (page != last_page_) {
-        _mm_prefetch(reinterpret_cast<const char*>(dst), _MM_HINT_NTA);
-        last_page_ = page;
-      }
+    const int64_t reach = std::min<int64_t>(size, kPrefetchBytesPerFragment);
+    for (int64_t offset = 0; offset < reach; offset += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + offset), _MM_HINT_T0);
     }
 #else
-    (void)dst;
+    (void)src;
+#endif
+  }
+
+  // The page of a fragment's scattered side (a load's source, a store's
+  // destination), once per page. `size` 0: a store's page this rank does not write.
+  void page(const uint8_t* src, const uint8_t* dst, int64_t size) {
+    if (size <= 0) return;
+    const uint8_t* scattered = store_ ? dst : src;
+    const uintptr_t page = reinterpret_cast<uintptr_t>(scattered) >> kPageShift;
+    if (page == last_page_) return;
+    last_page_ = page;
+#if defined(__SSE__)
+    _mm_prefetch(reinterpret_cast<const char*>(scattered), _MM_HINT_NTA);
 #endif
   }
 
  private:
   bool store_;
   bool large_;
+  bool source_lines_;
+  int64_t items_;
+  int64_t lines_ahead_;
+  int64_t page_ahead_;
   uintptr_t last_page_ = 0;
 };
 
