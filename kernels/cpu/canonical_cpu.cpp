@@ -1,7 +1,8 @@
 // CPU kernels of canonical_store / canonical_load: at::parallel_for over work
-// items (pair, fragment), one vector copy per fragment, walked as strided runs
-// of fragments derived once per plan (layer_bases from plan.h once per pair and
-// run). Built with -fopenmp: at::parallel_for
+// items (pair, fragment), one vector copy per fragment. A walker over strided runs
+// of fragments (derived once per plan; layer_bases from plan.h once per pair and
+// run) expands the items into a small ring of descriptors ahead of the copy and
+// its prefetches. Built with -fopenmp: at::parallel_for
 // is inline OpenMP and runs serially without it (cpu_threads_used checks). A
 // forked child splits the same way over std::threads (see forked_child).
 #include <ATen/ATen.h>
@@ -31,6 +32,18 @@ namespace {
 
 // Work items per parallel chunk: enough bytes that thread hand-off is noise.
 constexpr int64_t kBytesPerChunk = 256 * 1024;
+// Descriptors a copying thread keeps expanded ahead (a power of two, more than the
+// furthest prefetch: 6 KiB of stack).
+constexpr int64_t kRingItems = 256;
+constexpr int64_t kRingMask = kRingItems - 1;
+static_assert(kLoadPagePrefetchFactor * kPrefetchMaxItems < kRingItems,
+              "the ring holds every item a prefetch looks at");
+
+struct CopyDescriptor {
+  uint8_t* dst;
+  const uint8_t* src;
+  int64_t size;  // 0: skip (a store's page this rank does not write)
+};
 
 // libgomp cannot run a parallel region in a child forked from a process that
 // has already run one: its pool threads did not survive the fork and the region
@@ -320,27 +333,33 @@ void copy_cpu(const char* op, at::TensorList kv_caches, const at::Tensor& cpu_pa
                          call_bytes >= streaming_call_bytes(store);
 
   parallel_range(0, total, grain, [&](int64_t begin, int64_t end) {
-    // One walker copies; two more, ahead of it, feed the prefetcher (lines, page).
+    // One walker expands the items `lead` ahead of the copy into a ring of
+    // descriptors; the copy and the prefetcher read the ring (one walker's state
+    // in registers, the descriptors in L1).
     Prefetcher prefetcher{store, bytes_per_pair, num_fragments};
+    const int64_t lines = prefetcher.lines_ahead(), page = prefetcher.page_ahead();
+    const int64_t lead = std::max<int64_t>({lines, page, 1});
+    CopyDescriptor ring[kRingItems];
     RunWalker walker{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
-    RunWalker lines{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
-    RunWalker page{*cpu_plan, layer_base.data(), pages, blocks, page_list, store};
     walker.seek(begin);
-    int64_t lines_item = prefetcher.lines_ahead() > 0 ? begin + prefetcher.lines_ahead() : end;
-    int64_t page_item = prefetcher.page_ahead() > 0 ? begin + prefetcher.page_ahead() : end;
-    if (lines_item < end) lines.seek(lines_item);
-    if (page_item < end) page.seek(page_item);
+    int64_t walked = begin;  // the next item the walker records
+    auto record = [&] {
+      ring[walked & kRingMask] = {walker.dst(), walker.src(), walker.size()};
+      if (++walked < end) walker.next();
+    };
+    while (walked < end && walked < begin + lead) record();
     for (int64_t item = begin; item < end; ++item) {
-      if (page_item < end) {
-        prefetcher.page(page.src(), page.dst(), page.size());
-        if (++page_item < end) page.next();
+      if (walked < end) record();  // item + lead
+      if (page > 0 && item + page < end) {
+        const CopyDescriptor& ahead = ring[(item + page) & kRingMask];
+        prefetcher.page(ahead.src, ahead.dst, ahead.size);
       }
-      if (lines_item < end) {
-        prefetcher.lines(lines.src(), lines.size());
-        if (++lines_item < end) lines.next();
+      if (lines > 0 && item + lines < end) {
+        const CopyDescriptor& ahead = ring[(item + lines) & kRingMask];
+        prefetcher.lines(ahead.src, ahead.size);
       }
-      if (walker.size() > 0) copy_fragment(walker.dst(), walker.src(), walker.size(), streaming);
-      if (item + 1 < end) walker.next();
+      const CopyDescriptor& d = ring[item & kRingMask];
+      if (d.size > 0) copy_fragment(d.dst, d.src, d.size, streaming);
     }
     if (streaming) publish_streaming_stores();
   });
