@@ -123,12 +123,16 @@ VLLM_PY := $(abspath $(VLLM_VENV))/bin/python
 VLLM_STAGE := .cache/vllm-stage
 VLLM_BUILD_INPUTS := setup.py pyproject.toml $(shell find kernels -type f)
 
+# A stage's Python package emptied (its built extension kept): modules moved or removed
+# since the last run must not linger there.
+clear_stage_package = mkdir -p $(1)/canonical_ops && find $(1)/canonical_ops -mindepth 1 \
+	-maxdepth 1 \( -type d -o -name '*.py' \) -exec rm -rf {} +
+
 # Python sources into the stage (cheap; the editable install there picks them up).
 define vllm_stage_sources
 	mkdir -p $(VLLM_STAGE)
-	rm -rf $(VLLM_STAGE)/layouts $(VLLM_STAGE)/tests $(VLLM_STAGE)/canonical_ops/vllm \
-	  $(VLLM_STAGE)/canonical_ops/frontend
-	rm -f $(VLLM_STAGE)/canonical_ops/*.py
+	rm -rf $(VLLM_STAGE)/layouts $(VLLM_STAGE)/tests
+	$(call clear_stage_package,$(VLLM_STAGE))
 	tar -cf - --exclude='*.so' --exclude=__pycache__ layouts canonical_ops tests/conftest.py \
 	  tests/helpers tests/vllm_plugin pyproject.toml | tar -xf - -C $(VLLM_STAGE)
 endef
@@ -165,9 +169,8 @@ SGLANG_STAGE := .cache/sglang-stage
 
 define sglang_stage_sources
 	mkdir -p $(SGLANG_STAGE)
-	rm -rf $(SGLANG_STAGE)/layouts $(SGLANG_STAGE)/tests $(SGLANG_STAGE)/canonical_ops/vllm \
-	  $(SGLANG_STAGE)/canonical_ops/frontend $(SGLANG_STAGE)/canonical_ops/sglang
-	rm -f $(SGLANG_STAGE)/canonical_ops/*.py
+	rm -rf $(SGLANG_STAGE)/layouts $(SGLANG_STAGE)/tests
+	$(call clear_stage_package,$(SGLANG_STAGE))
 	tar -cf - --exclude='*.so' --exclude=__pycache__ layouts canonical_ops tests/conftest.py \
 	  tests/helpers tests/sglang_plugin pyproject.toml | tar -xf - -C $(SGLANG_STAGE)
 endef

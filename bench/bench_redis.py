@@ -51,7 +51,7 @@ sys.path.insert(1, str(REPO / "tests"))
 
 from helpers.redis_server import RedisServer  # noqa: E402
 
-from canonical_ops.frontend.store import (  # noqa: E402
+from canonical_ops.units import (  # noqa: E402
     LoadItem,
     ModelIdentity,
     RedisStore,

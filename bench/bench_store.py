@@ -70,7 +70,7 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from canonical_ops.frontend.store import FileStore, ModelIdentity, StoreNamespace
+from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
 from layouts import LayerSpec, RankContext
 
 MODELS = {

@@ -6,13 +6,13 @@ The package has three parts:
   ``canonical_load`` from the compiled extension, typed wrappers :func:`store` /
   :func:`load`, fake kernels, and :func:`make_plan`, which turns the ``layouts``
   mappings into the plan tensor built once at init;
-* :mod:`canonical_ops.frontend`: for engines without vLLM, the shared /dev/shm
-  region, the per-rank offload worker, the scheduler-side page manager, the persistent
-  store tiers (files, Redis / Valkey) behind ``StageCache`` and the demo;
-* :mod:`canonical_ops.vllm`: the vLLM 0.33 plugin (uses vLLM's own region and
-  scheduler; only the ops core from here).
+* :mod:`canonical_ops.units`: the unit store (one checksummed unit format, namespaces,
+  file and Redis / Valkey stores) every engine persists through;
+* adapters: :mod:`canonical_ops.vllm` (vLLM 0.33 worker and secondary tiers),
+  :mod:`canonical_ops.sglang` (HiCache L3 backend) and :mod:`canonical_ops.engine`
+  (the standalone engine of the demo and custom engines).
 
-Imports are lazy: ``import canonical_ops`` (or ``canonical_ops.frontend``) does not load
+Imports are lazy: ``import canonical_ops`` (or ``canonical_ops.engine``) does not load
 the compiled extension; the first use of an op-related name does.
 """
 
@@ -21,27 +21,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
-from .frontend import __all__ as _frontend_names
+from .engine import __all__ as _engine_names
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._extension import BUILT_WITH_CUDA
     from .checks import check_ids, check_int
-    from .frontend.page_manager import (
+    from .engine.cache import StageCache, pp_layer_range, pp_layer_ranges
+    from .engine.pages import (
         PageCapacityError,
         PageInfo,
         PageManager,
         PageState,
         PageStateError,
     )
-    from .frontend.shared_region import (
+    from .engine.region import (
         RegionClosedError,
         RegionSpaceError,
         SharedOffloadRegion,
         region_path,
     )
-    from .frontend.store import FileStore, ModelIdentity, RedisStore, StoreNamespace
-    from .frontend.tiers import StageCache, pp_layer_range, pp_layer_ranges
-    from .frontend.worker import (
+    from .engine.worker import (
         OffloadWorker,
         TransferJob,
         canonical_row_bytes,
@@ -49,9 +48,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
     from .plan import default_area_offsets, make_plan
+    from .units import FileStore, ModelIdentity, RedisStore, StoreNamespace
 
 # Public name -> the module defining it (relative to this package): the ops core's own,
-# then every public name of the frontend (its own lazy package: importing it is light).
+# then every public name of the standalone engine (a lazy package: importing it is light).
 _EXPORTS = {
     "BUILT_WITH_CUDA": "._extension",
     "check_ids": ".checks",
@@ -65,7 +65,7 @@ _EXPORTS = {
     "make_plan": ".plan",
 }
 
-_EXPORTS.update(dict.fromkeys(_frontend_names, ".frontend"))
+_EXPORTS.update(dict.fromkeys(_engine_names, ".engine"))
 
 __all__ = [
     "BUILT_WITH_CUDA",

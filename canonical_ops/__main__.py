@@ -27,11 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: a command is required: demo or store (see --help)", file=sys.stderr)
         return 2
     if argv[0] == "demo":
-        from .frontend.demo import main as demo_main
+        from .demo import main as demo_main
 
         return demo_main(argv[1:])
     if argv[0] == "store":
-        from .frontend.store.cli import main as store_main
+        from .units.cli import main as store_main
 
         return store_main(argv[1:])
     print(f"{PROG}: error: unknown command {argv[0]!r}; try `{PROG} --help`", file=sys.stderr)

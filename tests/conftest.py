@@ -113,7 +113,7 @@ def forkserver() -> multiprocessing.context.BaseContext:
             "torch",
             "numpy",
             "canonical_ops.ops",
-            "canonical_ops.frontend.worker",
+            "canonical_ops.engine.worker",
             "helpers.frontend_rank",
         ]
     )

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from canonical_ops import checks
-from canonical_ops.frontend.page_manager import PageManager, PageStateError
-from canonical_ops.frontend.shared_region import SharedOffloadRegion
+from canonical_ops.engine.pages import PageManager, PageStateError
+from canonical_ops.engine.region import SharedOffloadRegion
 
 NOT_INTS = [1.0, 1.9, True, np.bool_(True), "3", b"3", None, 2 + 0j]
 INTS = [3, np.int64(3), np.int32(3), np.uint8(3)]

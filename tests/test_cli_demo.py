@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers.demo_cli import ROOT, TINY, assert_usage_error, run_demo
 
-from canonical_ops.frontend import demo
+from canonical_ops import demo
 from layouts import LayerSpec, RankContext, certification_failure
 
 # ------------------------------------------------------------------------ item 10: bad input

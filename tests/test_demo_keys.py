@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from canonical_ops.frontend import demo
-from canonical_ops.frontend.store.token_keys import block_keys
+from canonical_ops import demo
+from canonical_ops.units.token_keys import block_keys
 
 
 def test_demo_block_keys_are_token_keys():

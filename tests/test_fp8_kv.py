@@ -19,14 +19,14 @@ import pytest
 import torch
 
 import canonical_ops
-from canonical_ops.frontend import OffloadWorker, PageManager
-from canonical_ops.frontend.store import (
+from canonical_ops.engine import OffloadWorker, PageManager
+from canonical_ops.engine.cache import StageCache
+from canonical_ops.units import (
     FileStore,
     LayerGeometry,
     ModelIdentity,
     StoreNamespace,
 )
-from canonical_ops.frontend.tiers import StageCache
 from layouts import (
     KVScales,
     LayerSpec,

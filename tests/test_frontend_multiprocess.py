@@ -17,13 +17,13 @@ import pytest
 import torch
 from helpers.frontend_rank import Model, Topo, kill, rank_entry
 
-from canonical_ops.frontend import (
+from canonical_ops.engine import (
     OffloadWorker,
     PageManager,
     SharedOffloadRegion,
     canonical_row_bytes,
 )
-from canonical_ops.frontend.worker import group_layer_mappings
+from canonical_ops.engine.worker import group_layer_mappings
 from layouts import RankContext
 
 pytestmark = pytest.mark.slow
@@ -157,7 +157,7 @@ def through_files(ctx_mp, root, model: Model, writer: Topo, reader: Topo) -> Non
     """A writer engine persists its region rows to a FileStore and closes; a reader engine of
     another topology (own region, own manager, own store object) fills its region from the
     files and its ranks check every byte against the first-principles truth."""
-    from canonical_ops.frontend import FileStore, ModelIdentity, StageCache, StoreNamespace
+    from canonical_ops.engine import FileStore, ModelIdentity, StageCache, StoreNamespace
 
     model = dataclasses.replace(model, pages_per_row=1)  # a region row is one unit
     hashes = [f"h{i}".encode() for i in range(model.num_rows)]

@@ -21,21 +21,21 @@ import pytest
 import torch
 
 import canonical_ops
-from canonical_ops.frontend.hybrid import (
+from canonical_ops.engine.cache import StageCache, pp_layer_range
+from canonical_ops.engine.hybrid import (
     StateWorker,
     explain_state_miss,
     hybrid_namespace,
     split_stage_layers,
     state_page_manager,
 )
-from canonical_ops.frontend.page_manager import PageManager
-from canonical_ops.frontend.store.files import FileStore, iter_unit_files
-from canonical_ops.frontend.store.namespace import (
+from canonical_ops.engine.pages import PageManager
+from canonical_ops.units.files import FileStore, iter_unit_files
+from canonical_ops.units.namespace import (
     ModelIdentity,
     StateReshardError,
     StoreNamespace,
 )
-from canonical_ops.frontend.tiers import StageCache, pp_layer_range
 from layouts import LayerSpec, RankContext, derive_group_mappings
 from layouts.state import StateSpec
 from tests.helpers.layout_truth import Topology, local_page, random_truth
@@ -556,7 +556,7 @@ def test_state_units_through_redis_tp4_to_tp2(tmp_path):
     """The same state unit through the Redis tier: TP=4 ranks store, TP=2 ranks load."""
     from helpers.redis_server import RedisBinaryMissing, RedisServer, redis_binaries
 
-    from canonical_ops.frontend.store import RedisStore
+    from canonical_ops.units import RedisStore
 
     try:
         redis_binaries()

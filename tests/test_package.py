@@ -16,11 +16,11 @@ LIGHT_IMPORTS = (
     "layouts",
     "canonical_ops",
     "canonical_ops.checks",
-    "canonical_ops.frontend",
-    "canonical_ops.frontend.page_manager",
-    "canonical_ops.frontend.shared_region",
-    "canonical_ops.frontend.store",
-    "canonical_ops.frontend.tiers",
+    "canonical_ops.engine",
+    "canonical_ops.engine.pages",
+    "canonical_ops.engine.region",
+    "canonical_ops.units",
+    "canonical_ops.engine.cache",
     "canonical_ops.vllm",
 )
 
@@ -56,20 +56,20 @@ def test_the_file_store_needs_no_redis_client(tmp_path):
     )
     result = _python(
         blocker
-        + "from canonical_ops.frontend import StageCache\n"
-        + "from canonical_ops.frontend.store import FileStore\n"
+        + "from canonical_ops.engine import StageCache\n"
+        + "from canonical_ops.units import FileStore\n"
         + "import sys; sys.path.insert(0, 'tests')\n"
         + "from helpers.store import small_namespace\n"
         + f"with FileStore({str(tmp_path)!r}, small_namespace(2), fsync=False) as files:\n"
         + "    assert files.lookup([b'k'], 0, 2) == 0\n"
         + "assert 'redis' not in sys.modules\n"
         + "try:\n"
-        + "    from canonical_ops.frontend.store import RedisStore\n"
+        + "    from canonical_ops.units import RedisStore\n"
         + "except ImportError:\n"
         + "    pass\n"
         + "else:\n"
         + "    raise AssertionError('RedisStore imported without redis')\n"
-        + "from canonical_ops.frontend.demo import main\n"
+        + "from canonical_ops.demo import main\n"
         + "sys.exit(main(['--preset', 'tiny', '--store', 'redis://127.0.0.1:1/0']))\n"
     )
     assert result.returncode == 2, result.stderr
@@ -91,19 +91,48 @@ def test_first_op_use_loads_the_extension_as_a_module():
 
 def test_reexports_are_the_defining_modules_objects():
     import canonical_ops
-    import canonical_ops.frontend as frontend
+    import canonical_ops.engine as engine
     from canonical_ops import ops, plan
-    from canonical_ops.frontend import page_manager, shared_region, worker
+    from canonical_ops.engine import pages, region, worker
 
     for name in canonical_ops.__all__:
         value = getattr(canonical_ops, name)
-        homes = [m for m in (ops, plan, page_manager, shared_region, worker) if hasattr(m, name)]
+        homes = [m for m in (ops, plan, pages, region, worker) if hasattr(m, name)]
         if homes:
             assert value is getattr(homes[0], name), name
-    for name in frontend.__all__:
-        assert getattr(frontend, name) is getattr(canonical_ops, name), name
-    # every public name of the frontend is public at the top too, and every listed name resolves
-    assert set(frontend.__all__) <= set(canonical_ops.__all__)
+    for name in engine.__all__:
+        assert getattr(engine, name) is getattr(canonical_ops, name), name
+    # every public name of the engine is public at the top too, and every listed name resolves
+    assert set(engine.__all__) <= set(canonical_ops.__all__)
     assert set(dir(canonical_ops)) >= set(canonical_ops.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         canonical_ops.nope  # noqa: B018
+
+
+def test_round3_import_paths_still_work_and_name_their_replacement():
+    """README names of round 3 (canonical_ops.frontend...) resolve to the moved modules."""
+    code = """
+import warnings
+warnings.simplefilter("error", DeprecationWarning)
+try:
+    import canonical_ops.frontend.store.files
+except DeprecationWarning as w:
+    print("warned:", w)
+warnings.simplefilter("ignore", DeprecationWarning)
+import canonical_ops.frontend.store.encoding as old_unit, canonical_ops.units.unit as unit
+from canonical_ops.frontend.tiers import StageCache
+from canonical_ops.engine.cache import StageCache as new
+from canonical_ops.frontend import PageManager
+import canonical_ops.frontend.demo as old_demo, canonical_ops.demo as demo
+print(old_unit is unit, StageCache is new, PageManager.__module__, old_demo is demo)
+print(unit.__spec__.name)
+"""
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0]
+        == "warned: canonical_ops.frontend.store moved to canonical_ops.units; import it from there"
+    )
+    assert lines[1] == "True True canonical_ops.engine.pages True"
+    assert lines[2] == "canonical_ops.units.unit"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from canonical_ops.frontend.page_manager import (
+from canonical_ops.engine.pages import (
     PageCapacityError,
     PageInfo,
     PageManager,

@@ -13,7 +13,7 @@ import redis
 from helpers.redis_server import RedisBinaryMissing, RedisClusterNodes, redis_binaries
 from helpers.store import row, small_namespace
 
-from canonical_ops.frontend.store import RedisStore, RedisStoreError
+from canonical_ops.units import RedisStore, RedisStoreError
 
 NS = small_namespace(32)
 LAYERS = NS.num_layers

@@ -31,10 +31,10 @@ from helpers.redis_server import (
 )
 from helpers.store import row, small_namespace
 
-from canonical_ops.frontend import PageManager, StageCache
-from canonical_ops.frontend import demo as demo_module
-from canonical_ops.frontend.store import RedisStore
-from canonical_ops.frontend.store.files import key_digest
+from canonical_ops import demo as demo_module
+from canonical_ops.engine import PageManager, StageCache
+from canonical_ops.units import RedisStore
+from canonical_ops.units.files import key_digest
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +231,7 @@ def test_small_maxmemory_evicts_into_misses_only(tmp_path):
 
 KILL_DURING_PERSIST = """
 import os, signal, sys
-from canonical_ops.frontend import tiers
+from canonical_ops.engine import cache as tiers
 pid, argv, calls = int(sys.argv[1]), sys.argv[2:], []
 original = tiers.StageCache.persist
 
@@ -243,7 +243,7 @@ def persist(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 tiers.StageCache.persist = persist
-from canonical_ops.frontend.demo import main
+from canonical_ops.demo import main
 sys.exit(main(argv))
 """
 

@@ -15,8 +15,8 @@ import pytest
 from helpers.redis_server import RedisBinaryMissing, RedisServer, free_port, redis_binaries
 from helpers.store import row, small_namespace
 
-from canonical_ops.frontend.store import RedisStore
-from canonical_ops.frontend.store.redis_store import _Breaker
+from canonical_ops.units import RedisStore
+from canonical_ops.units.redis_store import _Breaker
 
 NS = small_namespace(32)
 LAYERS = NS.num_layers
@@ -67,7 +67,7 @@ def wait_until_stored(store: RedisStore, key: bytes, timeout: float = 15.0) -> f
 
 
 def test_server_killed_mid_run_is_misses_and_drops_then_recovers(server, caplog) -> None:
-    caplog.set_level("WARNING", logger="canonical_ops.frontend.store.redis_store")
+    caplog.set_level("WARNING", logger="canonical_ops.units.redis_store")
     store = RedisStore(server.url, NS, **FAST)
     try:
         keys = [f"before-{i}".encode() for i in range(8)]

@@ -25,7 +25,7 @@ from helpers.redis_server import (
 )
 from helpers.store import row, small_namespace, start_child
 
-from canonical_ops.frontend.store import (
+from canonical_ops.units import (
     JobPool,
     LoadItem,
     RedisStore,
@@ -33,8 +33,8 @@ from canonical_ops.frontend.store import (
     StoreItem,
     encode_unit,
 )
-from canonical_ops.frontend.store.files import key_digest
-from canonical_ops.frontend.store.redis_store import MANIFEST_MAGIC
+from canonical_ops.units.files import key_digest
+from canonical_ops.units.redis_store import MANIFEST_MAGIC
 
 NS = small_namespace(32)  # 512 B canonical pages: a whole-model unit is 16 KiB
 LAYERS = NS.num_layers
@@ -433,7 +433,7 @@ WRITER = """
 import json, os, sys, time
 import numpy as np
 from helpers.store import row, small_namespace
-from canonical_ops.frontend.store import RedisStore
+from canonical_ops.units import RedisStore
 
 url, writer, count, max_value, go = sys.argv[1:6]
 writer, count, max_value = int(writer), int(count), int(max_value)

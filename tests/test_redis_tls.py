@@ -11,7 +11,7 @@ import pytest
 from helpers.redis_server import RedisBinaryMissing, RedisServer, make_tls_files, redis_binaries
 from helpers.store import row, small_namespace
 
-from canonical_ops.frontend.store import RedisStore, RedisStoreError
+from canonical_ops.units import RedisStore, RedisStoreError
 
 NS = small_namespace(32)
 

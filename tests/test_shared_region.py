@@ -2,7 +2,7 @@
 
 Multi-rank tests use real processes (multiprocessing "forkserver" with torch
 preloaded, so each rank starts in milliseconds) and the real /dev/shm.
-``canonical_ops.frontend.shared_region`` is pure Python: importing it never loads the
+``canonical_ops.engine.region`` is pure Python: importing it never loads the
 compiled extension (a test below checks that).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-_MODULE_NAME = "canonical_ops.frontend.shared_region"
+_MODULE_NAME = "canonical_ops.engine.region"
 
 
 def _load_module() -> Any:

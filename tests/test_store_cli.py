@@ -10,8 +10,8 @@ import sys
 import pytest
 from helpers.store import REPO, child_env, row, small_namespace, unit_files
 
-from canonical_ops.frontend.store import FileStore
-from canonical_ops.frontend.store.cli import main, parse_size
+from canonical_ops.units import FileStore
+from canonical_ops.units.cli import main, parse_size
 
 NS = small_namespace(8)
 OTHER = small_namespace(8, name="second-model")

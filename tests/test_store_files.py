@@ -17,17 +17,17 @@ from helpers.store import row, small_namespace, unit_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from canonical_ops.frontend.store import (
+from canonical_ops.units import (
     FileStore,
     JobPool,
     ModelIdentity,
     StoreNamespace,
     StoreRootError,
 )
-from canonical_ops.frontend.store import encoding as enc_mod
-from canonical_ops.frontend.store import files as files_mod
-from canonical_ops.frontend.store.encoding import header_length
-from canonical_ops.frontend.store.files import key_digest, unit_path
+from canonical_ops.units import files as files_mod
+from canonical_ops.units import unit as enc_mod
+from canonical_ops.units.files import key_digest, unit_path
+from canonical_ops.units.unit import header_length
 from layouts import LayerSpec, RankContext
 
 NS = small_namespace(32)  # 32 layers x 512-byte pages: 16 KiB per whole-model unit

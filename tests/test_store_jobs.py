@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from canonical_ops.frontend.store import JobOutcome, JobPool
+from canonical_ops.units import JobOutcome, JobPool
 
 
 def wait_until(predicate, timeout=10.0) -> None:

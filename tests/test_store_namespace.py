@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from canonical_ops.frontend.store import LayerGeometry, ModelIdentity, StoreNamespace
+from canonical_ops.units import LayerGeometry, ModelIdentity, StoreNamespace
 from layouts import LayerSpec, RankContext, derive_group_mappings
 
 MODEL = ModelIdentity("llama", "abc123", {"rope": {"theta": 500000, "scaling": None}})

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers.store import row, run_child, small_namespace, start_child, unit_files
 
-from canonical_ops.frontend.store import FileStore
-from canonical_ops.frontend.store.cli import main as store_cli
+from canonical_ops.units import FileStore
+from canonical_ops.units.cli import main as store_cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,8 @@ NS = small_namespace(32, head_size=64)  # 4 KiB pages, 128 KiB per whole-model u
 KILLED_WRITER = """
 import sys, time
 from helpers.store import row, small_namespace
-from canonical_ops.frontend.store import FileStore
-from canonical_ops.frontend.store import files
+from canonical_ops.units import FileStore
+from canonical_ops.units import files
 
 root, stage = sys.argv[1], sys.argv[2]
 ns = small_namespace(32, head_size=64)
@@ -95,7 +95,7 @@ def _units(directory: str) -> list[str]:
 RACING_WRITER = """
 import json, os, sys, time
 from helpers.store import row, small_namespace
-from canonical_ops.frontend.store import FileStore
+from canonical_ops.units import FileStore
 
 root, go = sys.argv[1], sys.argv[2]
 ns = small_namespace(32, head_size=64)
@@ -143,7 +143,7 @@ def test_two_processes_storing_the_same_keys(tmp_path) -> None:
 STREAMING_WRITER = """
 import json, sys
 from helpers.store import row, small_namespace
-from canonical_ops.frontend.store import FileStore
+from canonical_ops.units import FileStore
 
 ns = small_namespace(32, head_size=64)
 store = FileStore(sys.argv[1], ns, fsync=False)
@@ -180,7 +180,7 @@ SIZE_LIMITED_WRITER = """
 import json, os, resource, signal, sys
 import numpy as np
 from helpers.store import row, small_namespace
-from canonical_ops.frontend.store import FileStore
+from canonical_ops.units import FileStore
 
 root = sys.argv[1]
 ns = small_namespace(32, head_size=64)

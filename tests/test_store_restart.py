@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from helpers.demo_cli import ROOT, assert_usage_error, demo_command, demo_json, run_demo
 
-from canonical_ops.frontend import demo
-from canonical_ops.frontend.store.cli import main as store_cli
-from canonical_ops.frontend.store.files import key_digest
+from canonical_ops import demo
+from canonical_ops.units.cli import main as store_cli
+from canonical_ops.units.files import key_digest
 
 pytestmark = pytest.mark.slow
 
@@ -191,7 +191,7 @@ def demo_json_namespace() -> str:
 
 KILLED_WRITE = """
 import os, sys, threading, time
-from canonical_ops.frontend.store import files
+from canonical_ops.units import files
 files._IO_CHUNK_BYTES = 4096  # many small writes: the kill lands inside a unit
 marker, argv = sys.argv[1], sys.argv[2:]
 lock, started = threading.Lock(), []
@@ -210,7 +210,7 @@ def hook(stage, path, written):
         time.sleep(600)
 
 files._test_hook = hook
-from canonical_ops.frontend.demo import main
+from canonical_ops.demo import main
 sys.exit(main(argv))
 """
 

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from helpers.store import row, run_child, small_namespace, unit_files
 
-from canonical_ops.frontend import PageManager
-from canonical_ops.frontend.store import FileStore, JobOutcome
-from canonical_ops.frontend.store import files as files_module
-from canonical_ops.frontend.tiers import (
+from canonical_ops.engine import PageManager
+from canonical_ops.engine.cache import (
     StageCache,
     TierLookup,
     pp_layer_range,
     pp_layer_ranges,
 )
+from canonical_ops.units import FileStore, JobOutcome
+from canonical_ops.units import files as files_module
 
 NS = small_namespace(32)  # 512-byte pages, 16 KiB per whole-model unit
 KEYS = [f"block-{i}".encode() for i in range(6)]
@@ -158,7 +158,7 @@ def test_a_corrupt_unit_is_a_miss_never_a_load(tmp_path):
 
 
 def _unit_of(files: FileStore, key: bytes) -> str:
-    from canonical_ops.frontend.store.files import key_digest
+    from canonical_ops.units.files import key_digest
 
     kd = key_digest(key)
     [path] = [p for p in unit_files(files) if f"/{kd}/" in p]
@@ -407,9 +407,9 @@ FULL_DISK = """
 import json, os, resource, signal, sys
 import numpy as np
 from helpers.store import small_namespace
-from canonical_ops.frontend import PageManager
-from canonical_ops.frontend.store import FileStore
-from canonical_ops.frontend.tiers import StageCache
+from canonical_ops.engine import PageManager
+from canonical_ops.units import FileStore
+from canonical_ops.engine.cache import StageCache
 
 ns = small_namespace(32)
 files = FileStore(sys.argv[1], ns, fsync=True)
@@ -455,7 +455,7 @@ def test_a_full_disk_fails_stores_cleanly_and_the_engine_keeps_serving(tmp_path)
 
 
 def test_both_stores_are_page_tiers(tmp_path):
-    from canonical_ops.frontend.store import PageTier, RedisStore
+    from canonical_ops.units import PageTier, RedisStore
 
     with FileStore(tmp_path, NS, fsync=False) as files:
         assert isinstance(files, PageTier)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.ops import make_kv_cache
 
-from canonical_ops.frontend import OffloadWorker, canonical_row_bytes
-from canonical_ops.frontend.worker import group_layer_mappings, spec_mismatch
+from canonical_ops.engine import OffloadWorker, canonical_row_bytes
+from canonical_ops.engine.worker import group_layer_mappings, spec_mismatch
 from layouts import LayerSpec, RankContext
 
 

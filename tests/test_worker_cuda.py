@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from canonical_ops.frontend import OffloadWorker, canonical_row_bytes
-from canonical_ops.frontend.worker import group_layer_mappings
+from canonical_ops.engine import OffloadWorker, canonical_row_bytes
+from canonical_ops.engine.worker import group_layer_mappings
 from canonical_ops.ops import CanonicalTransferError, CudaJobPools, ErrorRecords, transfer_error
 from layouts import LayerSpec, RankContext
 

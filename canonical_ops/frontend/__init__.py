@@ -1,85 +1,77 @@
-"""The standalone offload frontend, for engines without vLLM.
+"""Old import paths of round 3 (``canonical_ops.frontend...``), kept working.
 
-* :class:`SharedOffloadRegion` (``shared_region``): one /dev/shm region of canonical rows
-  per engine, shared by every rank of a node (pure Python + torch; no extension needed).
-* :class:`OffloadWorker` (``worker``): one per rank; derives and verifies the layers'
-  canonical mappings, builds the plan once, runs one op call per store or load.
-* :class:`PageManager` (``page_manager``): scheduler side; block hash -> canonical page,
-  readiness once every elected writer reported, LRU eviction, pins (pure Python).
-* :class:`~.tiers.StageCache` (``tiers``): scheduler side of one pipeline stage; its region's
-  pages first, then persistent tiers (``store``: checksummed unit files, Redis / Valkey): lookup
-  falls through, fetches fill region pages from verified units, write-through persists rows.
-* ``store``: ``FileStore``, ``RedisStore`` and their one unit format; ``python -m canonical_ops store``.
-* ``demo``: ``python -m canonical_ops demo`` (shared memory, or a restart through ``--store``).
-
-vLLM users do not need any of this: the vLLM plugin (:mod:`canonical_ops.vllm`) uses
-vLLM's own region, scheduler and tiers, and only the ops core. Imports are lazy: the
-compiled extension is loaded only when ``OffloadWorker`` is first used.
+The standalone engine moved to :mod:`canonical_ops.engine`, the unit store to
+:mod:`canonical_ops.units` and the demo to :mod:`canonical_ops.demo`. Importing an old
+path gives the new module itself (one module object under two names) and warns once,
+naming the replacement.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
 
-from .._lazy import lazy_exports
-
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .page_manager import PageCapacityError, PageInfo, PageManager, PageState, PageStateError
-    from .shared_region import (
-        RegionClosedError,
-        RegionSpaceError,
-        SharedOffloadRegion,
-        region_path,
-    )
-    from .store import FileStore, ModelIdentity, RedisStore, StoreNamespace
-    from .tiers import StageCache, pp_layer_range, pp_layer_ranges
-    from .worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
-
-_EXPORTS = {
-    "PageCapacityError": ".page_manager",
-    "PageInfo": ".page_manager",
-    "PageManager": ".page_manager",
-    "PageState": ".page_manager",
-    "PageStateError": ".page_manager",
-    "RegionClosedError": ".shared_region",
-    "RegionSpaceError": ".shared_region",
-    "SharedOffloadRegion": ".shared_region",
-    "region_path": ".shared_region",
-    "OffloadWorker": ".worker",
-    "TransferJob": ".worker",
-    "canonical_row_bytes": ".worker",
-    "group_layer_mappings": ".worker",
-    "StageCache": ".tiers",
-    "pp_layer_range": ".tiers",
-    "pp_layer_ranges": ".tiers",
-    "FileStore": ".store",
-    "RedisStore": ".store",
-    "StoreNamespace": ".store",
-    "ModelIdentity": ".store",
+# Old module (below canonical_ops.frontend) -> its replacement.
+MOVED = {
+    "store": "canonical_ops.units",
+    "store.encoding": "canonical_ops.units.unit",
+    "shared_region": "canonical_ops.engine.region",
+    "page_manager": "canonical_ops.engine.pages",
+    "worker": "canonical_ops.engine.worker",
+    "tiers": "canonical_ops.engine.cache",
+    "hybrid": "canonical_ops.engine.hybrid",
+    "demo": "canonical_ops.demo",
 }
 
-__all__ = [
-    "FileStore",
-    "ModelIdentity",
-    "OffloadWorker",
-    "PageCapacityError",
-    "PageInfo",
-    "PageManager",
-    "PageState",
-    "PageStateError",
-    "RedisStore",
-    "RegionClosedError",
-    "RegionSpaceError",
-    "SharedOffloadRegion",
-    "StageCache",
-    "StoreNamespace",
-    "TransferJob",
-    "canonical_row_bytes",
-    "group_layer_mappings",
-    "pp_layer_range",
-    "pp_layer_ranges",
-    "region_path",
-]
+
+def replacement(old: str) -> str | None:
+    """The module that replaces ``canonical_ops.frontend.<old>`` (None: no such module)."""
+    if old in MOVED:
+        return MOVED[old]
+    head, _, tail = old.rpartition(".")
+    while head:
+        if head in MOVED:
+            return f"{MOVED[head]}.{old[len(head) + 1 :]}"
+        head, _, _ = head.rpartition(".")
+    return f"{MOVED[tail]}" if tail in MOVED else None
 
 
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    prefix = __name__ + "."
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(self.prefix):
+            return None
+        new = replacement(fullname[len(self.prefix) :])
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, loader_state=new)
+
+    def create_module(self, spec):
+        new = spec.loader_state
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        module = importlib.import_module(new)
+        spec.loader_state = (new, module.__spec__)
+        return module
+
+    def exec_module(self, module):
+        # The import system set the alias's spec on the module: give it back its own.
+        module.__spec__ = module.__spec__.loader_state[1]
+
+
+if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _Alias())
+
+from .._lazy import lazy_exports  # noqa: E402
+from ..engine import __all__  # noqa: E402  (the old package's names, resolved lazily)
+
+__getattr__, __dir__ = lazy_exports(
+    __name__, globals(), dict.fromkeys(__all__, "canonical_ops.engine")
+)

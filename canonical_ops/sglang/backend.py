@@ -28,7 +28,7 @@ import numpy as np
 
 from layouts import RankContext
 
-from ..frontend.store import FileStore, ModelIdentity, StoreNamespace
+from ..units import FileStore, ModelIdentity, StoreNamespace
 from .key_index import TokenKeyIndex, install_hash_observer
 from .pages import HostPageCodec
 from .staging import BadFragment, FragmentStaging
@@ -244,7 +244,7 @@ class CanonicalStorageCore:
 
     def _open_tier(self, location: str, options: dict[str, Any]):
         if location.startswith(("redis://", "rediss://", "unix://")):
-            from ..frontend.store import RedisStore
+            from ..units import RedisStore
 
             return RedisStore(location, self.namespace, **options)
         return FileStore(location, self.namespace, **options)

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..frontend.store.token_keys import ROOT_KEY, chain_keys
+from ..units.token_keys import ROOT_KEY, chain_keys
 
 __all__ = ["TokenKeyIndex", "install_hash_observer", "observed_token_ids"]
 

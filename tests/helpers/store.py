@@ -10,7 +10,7 @@ import textwrap
 
 import numpy as np
 
-from canonical_ops.frontend.store import FileStore, ModelIdentity, StoreNamespace
+from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
 from layouts import LayerSpec, RankContext
 
 # tests/helpers/store.py -> the repository root (children must import THIS checkout's

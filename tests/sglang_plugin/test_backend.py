@@ -26,8 +26,8 @@ from sglang_harness import (
     pool_rows,
 )
 
-from canonical_ops.frontend.store.token_keys import block_keys
 from canonical_ops.sglang import BackendSetupError
+from canonical_ops.units.token_keys import block_keys
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 MODEL = Model()

@@ -15,8 +15,8 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_harness import Model, check_pages, fill_pages, make_backend, make_pool
 
 import canonical_ops
-from canonical_ops.frontend.store import FileStore, ModelIdentity, StoreNamespace
-from canonical_ops.frontend.store.token_keys import block_keys
+from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
+from canonical_ops.units.token_keys import block_keys
 from layouts import LayerSpec, RankContext, derive_group_mappings
 
 MODEL = Model(name="test/frontend-shared", total_heads=4, layers=3)

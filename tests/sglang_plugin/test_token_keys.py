@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from canonical_ops.frontend.store.token_keys import (
+from canonical_ops.units.token_keys import (
     ROOT_KEY,
     TEST_VECTOR_HEX,
     block_keys,

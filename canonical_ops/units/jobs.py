@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...checks import check_int
+from ..checks import check_int
 
 __all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "run_inline"]
 

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 
 from layouts.cli import CliParser
 
-from .encoding import CorruptUnit
 from .files import (
     NAMESPACE_FILE,
     QUARANTINE_DIR,
@@ -41,6 +40,7 @@ from .files import (
     iter_unit_files,
 )
 from .namespace import StoreNamespace, is_namespace_hex
+from .unit import CorruptUnit
 
 __all__ = ["main", "parse_size"]
 

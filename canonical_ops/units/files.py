@@ -71,8 +71,11 @@ from typing import Any
 
 import numpy as np
 
-from ...checks import check_int
-from .encoding import (
+from ..checks import check_int
+from .jobs import IOJob, JobOutcome, JobPool, run_inline
+from .namespace import StoreNamespace
+from .tier import TierBase, TierMetrics
+from .unit import (
     FIXED_HEADER_BYTES,
     MAX_HEADER_BYTES,
     CorruptUnit,
@@ -86,9 +89,6 @@ from .encoding import (
     normalize_key,
     peek_header,
 )
-from .jobs import IOJob, JobOutcome, JobPool, run_inline
-from .namespace import StoreNamespace
-from .tier import TierBase, TierMetrics
 
 __all__ = [
     "NAMESPACE_FILE",

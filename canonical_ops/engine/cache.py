@@ -66,10 +66,10 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from .page_manager import PageCapacityError, PageManager, PageStateError
-from .store.encoding import as_byte_view, normalize_key
-from .store.jobs import IOJob
-from .store.namespace import StoreNamespace
+from ..units.jobs import IOJob
+from ..units.namespace import StoreNamespace
+from ..units.unit import as_byte_view, normalize_key
+from .pages import PageCapacityError, PageManager, PageStateError
 
 __all__ = [
     "FetchResult",

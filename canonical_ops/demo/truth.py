@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from layouts import LayerSpec
 
-from ..store.token_keys import block_keys
+from ..units.token_keys import block_keys
 from .config import DemoConfig
 
 VOCAB = 128256  # token ids of the prompt are drawn from a Llama-3-sized vocabulary

@@ -37,8 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checks import check_int
-from .encoding import normalize_key
+from ..checks import check_int
 from .files import key_digest
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
@@ -71,6 +70,7 @@ from .redis_records import (
     batch_outcome,
 )
 from .tier import TierBase
+from .unit import normalize_key
 
 __all__ = [
     "DEFAULT_MAX_VALUE_BYTES",

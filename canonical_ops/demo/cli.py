@@ -21,7 +21,7 @@ MAX_SEED = (1 << 32) - 1
 
 
 def _size(text: str) -> int:
-    from ..store.cli import parse_size
+    from ..units.cli import parse_size
 
     try:
         return parse_size(text)

@@ -17,10 +17,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ...checks import check_int
-from .encoding import as_byte_view, normalize_key
+from ..checks import check_int
 from .jobs import IOJob, JobPool
 from .namespace import StoreNamespace
+from .unit import as_byte_view, normalize_key
 
 __all__ = ["PageTier", "TierBase", "TierMetrics"]
 

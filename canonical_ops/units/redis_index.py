@@ -42,9 +42,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .encoding import FORMAT_VERSION
 from .namespace import StoreNamespace
 from .redis_wire import _Op
+from .unit import FORMAT_VERSION
 
 _RANGE = re.compile(rb"(\d{1,6})-(\d{1,6})")
 # Parsed index members are remembered up to this many: the few splits a deployment uses.

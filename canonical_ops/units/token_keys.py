@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checks import check_int
+from ..checks import check_int
 
 __all__ = [
     "KEY_BYTES",

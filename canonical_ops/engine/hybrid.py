@@ -46,14 +46,14 @@ from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mapp
 
 from ..checks import check_int
 from ..plan import make_plan
-from .page_manager import PageManager
-from .store.namespace import (
+from ..units.namespace import (
     ModelIdentity,
     StateGeometry,
     StateReshardError,
     StoreNamespace,
     is_namespace_hex,
 )
+from .pages import PageManager
 
 __all__ = [
     "StateWorker",

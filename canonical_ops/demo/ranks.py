@@ -125,7 +125,7 @@ def rank_main(role: str, cfg_dict: dict, index: int, task: RankTask, events) -> 
     try:
         import torch
 
-        from canonical_ops.frontend import OffloadWorker, SharedOffloadRegion
+        from canonical_ops.engine import OffloadWorker, SharedOffloadRegion
 
         torch.set_num_threads(1)
         cfg = DemoConfig(**cfg_dict)
@@ -278,7 +278,7 @@ def rank_pool():
 
     pool = mp.get_context("forkserver")
     pool.set_forkserver_preload(
-        ["torch", "numpy", "canonical_ops.ops", "canonical_ops.frontend.worker", __name__]
+        ["torch", "numpy", "canonical_ops.ops", "canonical_ops.engine.worker", __name__]
     )
     forkserver.ensure_running()
     return pool

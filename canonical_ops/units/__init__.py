@@ -22,8 +22,12 @@ True
 
 from typing import TYPE_CHECKING
 
-from ..._lazy import lazy_exports
-from .encoding import (
+from .._lazy import lazy_exports
+from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
+from .jobs import IOJob, JobOutcome, JobPool, PoolStats
+from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
+from .tier import PageTier, TierBase, TierMetrics
+from .unit import (
     CorruptUnit,
     PayloadVerifier,
     UnitHeader,
@@ -35,10 +39,6 @@ from .encoding import (
     normalize_key,
     verify_payload,
 )
-from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
-from .jobs import IOJob, JobOutcome, JobPool, PoolStats
-from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
-from .tier import PageTier, TierBase, TierMetrics
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .redis_store import (

@@ -12,8 +12,8 @@ from helpers.store import row, small_namespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canonical_ops.frontend.store import encoding as enc
-from canonical_ops.frontend.store.encoding import (
+from canonical_ops.units import unit as enc
+from canonical_ops.units.unit import (
     CorruptUnit,
     PayloadVerifier,
     begin_unit_check,

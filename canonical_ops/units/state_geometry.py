@@ -28,7 +28,7 @@ from layouts.state import (
     state_certification_failure,
 )
 
-from ...checks import check_int
+from ..checks import check_int
 
 __all__ = ["StateGeometry", "StateReshardError"]
 

@@ -26,14 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .encoding import (
-    MAGIC,
-    CorruptUnit,
-    PayloadVerifier,
-    decode_and_verify,
-    decode_header,
-    header_length,
-)
 from .jobs import JobOutcome
 from .redis_chunks import (
     MANIFEST_MAGIC,
@@ -49,6 +41,14 @@ from .redis_connection import _Unavailable
 from .redis_index import _cover, _zrange, index_ops
 from .redis_records import _LoadReq, _StoreReq
 from .redis_wire import _deletes, _get, _Into, _Landed, _Op
+from .unit import (
+    MAGIC,
+    CorruptUnit,
+    PayloadVerifier,
+    decode_and_verify,
+    decode_header,
+    header_length,
+)
 
 # Rounds of one batched load: exact + index, covering units, their chunks, and
 # retries around units that turn out bad; each round resolves or excludes.

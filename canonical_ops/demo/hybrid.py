@@ -171,11 +171,16 @@ class _Engine:
 
         from layouts import derive_group_mappings
 
-        from ..hybrid import StateWorker, hybrid_namespace, split_stage_layers, state_page_manager
-        from ..page_manager import PageManager
-        from ..store import FileStore
-        from ..store.namespace import ModelIdentity
-        from ..tiers import StageCache, pp_layer_range
+        from ..engine.cache import StageCache, pp_layer_range
+        from ..engine.hybrid import (
+            StateWorker,
+            hybrid_namespace,
+            split_stage_layers,
+            state_page_manager,
+        )
+        from ..engine.pages import PageManager
+        from ..units import FileStore
+        from ..units.namespace import ModelIdentity
 
         self.setup, self.tp, self.pp = setup, tp, pp
         p = setup.preset

@@ -91,7 +91,7 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
             shown = redact(location)
             try:
                 if tier_kind(location) == "files":
-                    from ..store import FileStore
+                    from ..units import FileStore
 
                     tier = FileStore(
                         location,
@@ -101,7 +101,7 @@ def open_tiers(plan: StorePlan, namespace, queue_depth: int) -> list[tuple[str, 
                     )
                 else:
                     try:
-                        from ..store import RedisStore
+                        from ..units import RedisStore
                     except ImportError as error:
                         raise UsageError(
                             f"--store {shown}: needs the redis package (pip install redis): {error}"

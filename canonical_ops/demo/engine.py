@@ -62,9 +62,9 @@ def open_stages(
 ) -> list[Stage]:
     """``role``'s engine: per pipeline stage a region (rank 0 here), a PageManager and,
     with tiers, a StageCache over both. ``extra_ranks[i]``: other ranks attaching stage i."""
-    from canonical_ops.frontend import PageManager, SharedOffloadRegion
+    from canonical_ops.engine import PageManager, SharedOffloadRegion
 
-    from ..tiers import StageCache
+    from ..engine.cache import StageCache
 
     cfg = s.cfg
     groups = s.geometry.groups(role)
@@ -106,7 +106,7 @@ def open_stages(
 
 def close_stages(stages: Sequence[Stage], timeout_s: float | None = None) -> None:
     """Drain the stages' tier I/O, drop every view of their rows, close the regions."""
-    from canonical_ops.frontend import SharedOffloadRegion
+    from canonical_ops.engine import SharedOffloadRegion
 
     for stage in stages:
         try:

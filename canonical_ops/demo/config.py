@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from layouts import KVScales, LayerSpec, RankContext, certification_failure
 from layouts.quant import QUANTISED_KV_DTYPES
 
-from ..tiers import pp_layer_ranges
+from ..engine.cache import pp_layer_ranges
 from .presets import PRESETS
 
 
@@ -57,7 +57,7 @@ class DemoConfig:
 
     def identity(self):
         """The model identity persisted units are namespaced by (with every layer's geometry)."""
-        from ..store import ModelIdentity
+        from ..units import ModelIdentity
 
         return ModelIdentity(
             self.model_name or f"canonical-kv-demo/{self.preset}", self.model_revision
@@ -96,7 +96,7 @@ class DemoConfig:
 
     def namespace(self, role: str):
         """The StoreNamespace an engine of ``role``'s topology builds from ALL layers."""
-        from ..store import StoreNamespace
+        from ..units import StoreNamespace
 
         tp = self.tp(role)
         ctx = RankContext(tp, self.total_kv_heads, 0)

@@ -57,7 +57,7 @@ from layouts import (
 from layouts.quant import QUANTISED_KV_DTYPES, scales_mismatch
 from layouts.spec import dtype_name, element_size
 
-from ...checks import check_int
+from ..checks import check_int
 from .state_geometry import StateGeometry, StateReshardError
 
 __all__ = [

@@ -50,6 +50,6 @@ def plan_geometry(cfg: DemoConfig) -> Geometry:
 
 def region_bytes(cfg: DemoConfig, geometry: Geometry, role: str = "writer") -> int:
     """/dev/shm bytes of ``role``'s regions (one per pipeline stage)."""
-    from canonical_ops.frontend.shared_region import HEADER_BYTES
+    from canonical_ops.engine.region import HEADER_BYTES
 
     return cfg.pp(role) * HEADER_BYTES + cfg.prompt_blocks * geometry.row_bytes

@@ -37,7 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from .encoding import (
+from .namespace import StoreNamespace
+from .redis_index import _Keys
+from .redis_records import _StoreReq
+from .redis_wire import _Op, _Parts, _set
+from .unit import (
     MAX_HEADER_BYTES,
     CorruptUnit,
     PayloadVerifier,
@@ -45,10 +49,6 @@ from .encoding import (
     encode_header,
     header_length,
 )
-from .namespace import StoreNamespace
-from .redis_index import _Keys
-from .redis_records import _StoreReq
-from .redis_wire import _Op, _Parts, _set
 
 MANIFEST_MAGIC = b"CKVMANI\x00"
 _MANIFEST_VERSION = 1
