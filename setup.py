@@ -119,7 +119,8 @@ setup(
     description="Canonical, parallelism-free KV-cache pages moved by fused PyTorch ops",
     packages=find_packages(include=["layouts", "layouts.*", "canonical_ops", "canonical_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["numpy>=1.26", "torch>=2.6"],
+    install_requires=["numpy>=1.26", "torch>=2.6", "xxhash>=3.4"],
+    extras_require={"redis": ["redis>=5"]},
     ext_modules=_extensions(),
     # vLLM loads general plugins at start-up: this registers CanonicalOffloadingSpec.
     entry_points={"vllm.general_plugins": ["canonical_kv = canonical_ops.vllm:register"]},

@@ -2,8 +2,8 @@
 
 Reads the ``goals`` list of each benchmark JSON in a results folder (what ``make bench``
 writes): ``bench_cpu.json`` / ``bench_cuda.json`` (bench_transfer.py: ``measured`` is a
-sentence), ``bench_store.json``, ``redis.json`` and ``fp8.json`` (``measured`` and
-``target`` are ratios). A benchmark that did not run is listed as such, so a missing figure
+sentence), ``bench_store.json``, ``redis.json``, ``fp8.json`` and ``vllm_tiers.json``
+(bench_vllm_tiers.py, in the vLLM venv) (``measured`` and ``target`` are ratios). A benchmark that did not run is listed as such, so a missing figure
 never reads as a met goal.
 
 Usage:
@@ -25,6 +25,7 @@ SOURCES = (
     ("fp8.json", "fp8 vs bf16"),
     ("bench_store.json", "file tier"),
     ("redis.json", "Redis tier"),
+    ("vllm_tiers.json", "vLLM fs vs canonical_fs"),
 )
 OPTIONAL = {"bench_cuda.json"}  # only where a GPU ran it
 

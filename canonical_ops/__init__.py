@@ -29,13 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .engine.cache import StageCache, pp_layer_range, pp_layer_ranges
     from .engine.pages import (
         PageCapacityError,
-        PageInfo,
         PageManager,
         PageState,
         PageStateError,
     )
     from .engine.region import (
-        RegionClosedError,
         RegionSpaceError,
         SharedOffloadRegion,
         region_path,
@@ -74,12 +72,10 @@ __all__ = [
     "ModelIdentity",
     "OffloadWorker",
     "PageCapacityError",
-    "PageInfo",
     "PageManager",
     "PageState",
     "PageStateError",
     "RedisStore",
-    "RegionClosedError",
     "RegionSpaceError",
     "SharedOffloadRegion",
     "StageCache",

@@ -9,6 +9,7 @@ Pure Python + numpy (torch only when a tensor is passed): no compiled extension 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["check_ids", "check_int"]
+__all__ = ["check_ids", "check_int", "check_seconds"]
 
 
 def _describe_range(minimum: int | None, maximum: int | None) -> str:
@@ -67,6 +68,21 @@ def check_int(
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise error(f"{name}: expected {_describe_range(minimum, maximum)}, got {number}")
     return number
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = False) -> float | None:
+    """``value`` as float seconds > 0 (finite); None passes when ``optional``.
+
+    TypeError for a non-number (bool, str, ...), ValueError for 0, a negative, inf or nan.
+    """
+    if value is None and optional:
+        return None
+    what = "a number of seconds > 0" + (" or None" if optional else "")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name}: expected {what}, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return float(value)
 
 
 _INT_KINDS = ("i", "u")

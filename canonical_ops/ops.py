@@ -12,8 +12,6 @@ from .checks import check_ids, check_int
 
 __all__ = [
     "CanonicalTransferError",
-    "CudaJobPools",
-    "ErrorRecords",
     "check_device_errors",
     "check_unique_ids",
     "load",
@@ -88,14 +86,7 @@ def store(
         distinct (ValueError); device-resident page ids cannot be checked without a
         sync: a repeated one leaves that page an undefined mix of its sources.
     """
-    device = plan.device
-    torch.ops.canonical.canonical_store(
-        list(kv_caches),
-        cpu_pages,
-        plan,
-        _as_ids("block_ids", block_ids, device, None),
-        _as_ids("page_ids", page_ids, device, "page ids in a store (destinations)"),
-    )
+    _call(True, kv_caches, cpu_pages, plan, block_ids, page_ids)
 
 
 def load(
@@ -110,13 +101,20 @@ def load(
     Every byte of each block's local page is written; see :func:`store` for the
     arguments. Block ids must be distinct (the destinations); page ids may repeat.
     """
-    device = plan.device
-    torch.ops.canonical.canonical_load(
+    _call(False, kv_caches, cpu_pages, plan, block_ids, page_ids)
+
+
+def _call(store: bool, kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
+    op = torch.ops.canonical.canonical_store if store else torch.ops.canonical.canonical_load
+    blocks = None if store else "block ids in a load (destinations)"
+    pages = "page ids in a store (destinations)" if store else None
+    block_ids = _as_ids("block_ids", block_ids, plan.device, blocks)
+    op(
         list(kv_caches),
         cpu_pages,
         plan,
-        _as_ids("block_ids", block_ids, device, "block ids in a load (destinations)"),
-        _as_ids("page_ids", page_ids, device, None),
+        block_ids,
+        _as_ids("page_ids", page_ids, plan.device, pages),
     )
 
 
@@ -154,104 +152,12 @@ def check_device_errors(plan: torch.Tensor) -> None:
     the record lives in mapped pinned host memory, so this is a plain host read (no
     CUDA call, nothing queued on any stream); it then clears the record. One record
     per plan, shared by every stream using the plan: the offload workers give each
-    job its own record instead (:class:`ErrorRecords`). A no-op for CPU plans (their
+    kernel its own record instead (:class:`canonical_ops.transfer.ErrorRecords`). A no-op for CPU plans (their
     ids are checked before the copy).
     """
     error = transfer_error(torch.ops.canonical._plan_error(plan))
     if error is not None:
         raise error
-
-
-class ErrorRecords:
-    """A pool of per-job device-error records, in pinned host memory the kernel writes
-    through its mapping (see ``torch.ops.canonical._canonical_store_reporting``).
-
-    A job takes a record before its launch and gives it back once its event has
-    completed (:meth:`release` reads it with plain host loads: no CUDA call, nothing on
-    the compute stream). Records are never moved or freed while the pool lives: a
-    kernel may hold their address.
-
-    Parameters
-    ----------
-    chunk : int
-        Records allocated at a time (int64 (chunk, ERROR_RECORD_WORDS)).
-    pin : bool
-        Pinned memory (what CUDA kernels need); False only for CPU-only tests.
-    """
-
-    def __init__(self, chunk: int = 64, *, pin: bool = True) -> None:
-        self._chunk = check_int("chunk", chunk, minimum=1)
-        self._pin = bool(pin)
-        self._chunks: list[torch.Tensor] = []
-        self._free: list[torch.Tensor] = []
-
-    def acquire(self) -> torch.Tensor:
-        """A zeroed record: an int64 (ERROR_RECORD_WORDS,) view of a pinned chunk."""
-        if not self._free:
-            chunk = torch.zeros(
-                self._chunk, ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=self._pin
-            )
-            self._chunks.append(chunk)
-            self._free.extend(reversed(chunk.unbind(0)))
-        return self._free.pop()
-
-    def release(
-        self,
-        record: torch.Tensor,
-        block_ids: np.ndarray | None = None,
-        page_ids: np.ndarray | None = None,
-    ) -> CanonicalTransferError | None:
-        """Read ``record`` (its job's kernels have completed), clear it and take it back.
-
-        Returns the job's error (naming the refused pair's ids when ``block_ids`` /
-        ``page_ids`` are the call's host ids), or None.
-        """
-        error = transfer_error(record.tolist(), block_ids, page_ids)
-        record.zero_()
-        self._free.append(record)
-        return error
-
-
-class CudaJobPools:
-    """Reusable per-job resources of an offload worker on CUDA: events, pinned staging for
-    host ids, and error records (:class:`ErrorRecords`).
-
-    A job takes what it needs at submission and gives it back when its event has
-    completed, so a steady stream of jobs allocates nothing. Nothing taken is freed while
-    in use (a kernel, a copy or an event may still refer to it).
-
-    Parameters
-    ----------
-    timing : bool
-        Events record timing (``elapsed_time``); otherwise the cheaper untimed events.
-    pin : bool
-        Pinned staging and records; False only for CPU-only tests of the bookkeeping.
-    """
-
-    def __init__(self, *, timing: bool = False, pin: bool = True) -> None:
-        self.timing = bool(timing)
-        self.errors = ErrorRecords(pin=pin)
-        self._pin = bool(pin)
-        self._events: list[torch.cuda.Event] = []
-        self._staging: dict[int, list[torch.Tensor]] = {}
-
-    def event(self) -> torch.cuda.Event:
-        """An event to record a job's end (or start) on its stream."""
-        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=self.timing)
-
-    def release_event(self, event: torch.cuda.Event) -> None:
-        self._events.append(event)
-
-    def staging(self, count: int) -> torch.Tensor:
-        """Pinned int64 (capacity,) with capacity >= ``count`` (a power of two, >= 128)."""
-        capacity = max(128, 1 << max(0, int(count) - 1).bit_length())
-        free = self._staging.setdefault(capacity, [])
-        return (
-            free.pop() if free else torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
-        )
-
-    def release_staging(self, buffer: torch.Tensor) -> None:
-        self._staging.setdefault(buffer.numel(), []).append(buffer)
 
 
 def set_sm_budget(sms: int) -> int:

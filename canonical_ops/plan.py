@@ -62,6 +62,11 @@ def default_area_offsets(mappings: Sequence[CanonicalPageMapping], pages_per_row
     return offsets
 
 
+def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row: int = 1) -> int:
+    """Bytes of one row holding ``pages_per_row`` canonical pages of every layer."""
+    return sum(pages_per_row * m.canonical_page_size_bytes for m in mappings)
+
+
 def spec_geometry(spec: LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and strides (in elements) of one block of a cache laid out as ``spec`` says.
 
@@ -132,13 +137,7 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
     if found == spec:
         return None
     dtype_problem = _dtype_problem(kv, spec)
-    mla_layout_ok = spec.attention != "mla" or (spec.packing, spec.order) == ("packed", "NHD")
-    if (
-        found is not None
-        and dtype_problem is None
-        and tuple(view.stride()[1:]) == strides
-        and mla_layout_ok
-    ):
+    if found is not None and dtype_problem is None and tuple(view.stride()[1:]) == strides:
         # Both layouts address the same bytes (e.g. one token and one head per block:
         # NHD is HND); from_tensor names the first, the tensor is exactly the spec's too.
         return None
@@ -151,11 +150,6 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
         problems.append(
             f"strides (block, {', '.join(map(str, strides))}) in elements ({layout}), got "
             f"{tuple(kv.stride())}{seen}"
-        )
-    if spec.attention == "mla" and (spec.packing, spec.order) != ("packed", "NHD"):
-        problems.append(
-            f"packing 'packed' and order 'NHD' for an MLA latent cache (one row per token, "
-            f"as LayerSpec.from_tensor reports it), got {spec.packing!r} and {spec.order!r}"
         )
     if not problems:
         problems.append(f"{spec}, got a tensor that LayerSpec.from_tensor reads as {found}")
@@ -224,28 +218,27 @@ def _check_layer_tensor(
         raise ValueError(f"{name}: does not match {source}: expected {problem}")
 
 
-def build_plan_words(
-    mappings: Sequence[CanonicalPageMapping],
-    kv_caches: Sequence[torch.Tensor],
-    cpu_pages: torch.Tensor,
-    *,
-    pages_per_row: int = 1,
-    area_offsets: Sequence[int] | None = None,
-    max_fragment_bytes: int | None = None,
-    specs: Sequence[LayerSpec | None] | None = None,
-) -> np.ndarray:
-    """The plan's int64 words (host numpy array); see :func:`make_plan`."""
+def check_layer_lists(kv_caches: Sequence[torch.Tensor], specs=None) -> None:
+    """``kv_caches`` a non-empty sequence (one tensor per layer), ``specs`` (when given)
+    one LayerSpec or None per layer: ValueError naming the argument otherwise."""
     if isinstance(kv_caches, torch.Tensor) or not len(kv_caches):
         raise ValueError("kv_caches: expected a non-empty list of tensors, one per layer")
-    if len(mappings) != len(kv_caches):
-        raise ValueError(
-            f"mappings: expected one CanonicalPageMapping per layer ({len(kv_caches)}), "
-            f"got {len(mappings)}"
-        )
     if specs is not None and (isinstance(specs, (str, LayerSpec)) or len(specs) != len(kv_caches)):
         count = "one" if isinstance(specs, LayerSpec) else len(specs)
         raise ValueError(
             f"specs: expected one LayerSpec (or None) per layer ({len(kv_caches)}), got {count}"
+        )
+
+
+def _plan_words(
+    mappings, kv_caches, cpu_pages, pages_per_row, area_offsets, max_fragment_bytes, specs
+) -> np.ndarray:
+    """The plan's int64 words (host numpy array); see :func:`make_plan`."""
+    check_layer_lists(kv_caches, specs)
+    if len(mappings) != len(kv_caches):
+        raise ValueError(
+            f"mappings: expected one CanonicalPageMapping per layer ({len(kv_caches)}), "
+            f"got {len(mappings)}"
         )
     pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
     if not isinstance(cpu_pages, torch.Tensor) or cpu_pages.dtype != torch.uint8:
@@ -355,6 +348,31 @@ def build_plan_words(
     return np.concatenate([header, layer_table.ravel(), fragments.ravel(), tensor_table.ravel()])
 
 
+def check_kernels(device: torch.device, who: str) -> None:
+    """Raise RuntimeError (``who`` first, then the reason and the fix) unless this build
+    runs on ``device``: CPU, or CUDA (not ROCm) with the CUDA kernels built and a kernel
+    image for that GPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type != "cuda" or torch.version.hip is not None:
+        raise RuntimeError(
+            f"{who}: canonical_ops has kernels for CUDA and CPU tensors, not {device}"
+            f"{' (ROCm)' if torch.version.hip is not None else ''}"
+        )
+    if not _extension.BUILT_WITH_CUDA:
+        raise RuntimeError(
+            f"{who}: the tensors are on CUDA but canonical_ops was built without its CUDA "
+            f"kernels (CANONICAL_KV_BUILD_CUDA=0 or no nvcc at install time); reinstall "
+            f"canonical-kv with nvcc available"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch.ops.canonical._check_cuda_kernels(index)  # a GPU the build has no image for
+    except RuntimeError as error:
+        raise RuntimeError(f"{who}: {error}") from error
+
+
 def make_plan(
     mappings: Sequence[CanonicalPageMapping],
     kv_caches: Sequence[torch.Tensor],
@@ -412,24 +430,15 @@ def make_plan(
         CUDA kv caches but an extension built without CUDA kernels, or a GPU the
         build has no kernel image for (with the reason).
     """
-    words = build_plan_words(
-        mappings,
-        kv_caches,
-        cpu_pages,
-        pages_per_row=pages_per_row,
-        area_offsets=area_offsets,
-        max_fragment_bytes=max_fragment_bytes,
-        specs=specs,
+    host = torch.from_numpy(
+        _plan_words(
+            mappings, kv_caches, cpu_pages, pages_per_row, area_offsets, max_fragment_bytes, specs
+        )
     )
-    host = torch.from_numpy(words)
     device = kv_caches[0].device
+    check_kernels(device, "kv_caches")
     if device.type == "cpu":
         return host.clone()
-    if device.type != "cuda" or not _extension.BUILT_WITH_CUDA:
-        raise RuntimeError(
-            f"kv_caches: canonical_ops has no kernels for {device} tensors in this build "
-            f"(CUDA kernels built: {_extension.BUILT_WITH_CUDA})"
-        )
     plan = host.to(device)
     # The extension verifies the words, keeps them (CUDA calls validate without a
     # sync) with its own device copy for the kernel, and refuses a GPU without an image.

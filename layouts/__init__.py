@@ -21,8 +21,10 @@ from .derive import (
     certification_failure,
     derive_group_mappings,
     derive_layer_mapping,
+    group_layer_mappings,
     opaque_fallback_mapping,
 )
+from .election import RankShare, WriterElection
 from .mapping import CanonicalPageMapping, CopyRun
 from .quant import KVScales, derive_scaled_group_mappings
 from .spec import LayerSpec, RankContext
@@ -40,14 +42,17 @@ __all__ = [
     "KVScales",
     "LayerSpec",
     "RankContext",
+    "RankShare",
     "StateSpec",
     "TilingError",
+    "WriterElection",
     "canonical_format_id",
     "certification_failure",
     "derive_group_mappings",
     "derive_layer_mapping",
     "derive_scaled_group_mappings",
     "derive_state_group_mappings",
+    "group_layer_mappings",
     "opaque_fallback_mapping",
     "state_certification_failure",
     "verify_tiling",

@@ -10,11 +10,10 @@ report says why it falls back to the opaque layout.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import textwrap
 
-from .cli import CliParser, int_in, lower, upper
+from .cli import CliParser, int_in, lower, run_console, upper
 from .explain import explain
 from .spec import ATTENTION_KINDS, ORDERS, PACKINGS, LayerSpec, dtype_name
 
@@ -75,24 +74,18 @@ def build_parser() -> tuple[CliParser, CliParser]:
         default="full",
         help="full attention (K and V per head) or MLA (one latent per token)",
     )
-    p.add_argument(
-        "--total-kv-heads",
-        type=int_in(1, MAX_HEADS),
-        default=None,
-        help="KV heads of the model (default: 8 for full attention, 1 for MLA)",
-    )
-    p.add_argument(
-        "--head-size",
-        type=int_in(1, MAX_HEAD_SIZE),
-        default=128,
-        help="elements per head / latent width",
-    )
-    p.add_argument(
-        "--block-size",
-        type=int_in(1, MAX_BLOCK_SIZE),
-        default=16,
-        help="tokens per block on each rank",
-    )
+    bounded = [  # (flag, maximum, default, help): integers in [1, maximum]
+        (
+            "--total-kv-heads",
+            MAX_HEADS,
+            None,
+            "KV heads (default: 8 for full attention, 1 for MLA)",
+        ),
+        ("--head-size", MAX_HEAD_SIZE, 128, "elements per head / latent width"),
+        ("--block-size", MAX_BLOCK_SIZE, 16, "tokens per block on each rank"),
+    ]
+    for flag, maximum, default, text in bounded:
+        p.add_argument(flag, type=int_in(1, maximum), default=default, help=text)
     p.add_argument(
         "--dtype",
         type=dtype_arg,
@@ -101,25 +94,20 @@ def build_parser() -> tuple[CliParser, CliParser]:
     )
     p.add_argument("--packing", type=lower, choices=PACKINGS, default="packed", help="page packing")
     p.add_argument("--order", type=upper, choices=ORDERS, default="NHD", help="stride order")
-    p.add_argument("--tp", type=int_in(1, MAX_RANKS), default=1, help="tensor parallel size")
-    p.add_argument(
-        "--dcp", type=int_in(1, MAX_RANKS), default=1, help="decode context parallel size"
-    )
-    p.add_argument(
-        "--pcp", type=int_in(1, MAX_RANKS), default=1, help="prefill context parallel size"
-    )
-    p.add_argument(
-        "--interleave",
-        type=int_in(1, MAX_BLOCK_SIZE),
-        default=1,
-        help="tokens per context-parallel chunk",
-    )
-    p.add_argument(
-        "--heads-per-rank",
-        type=int_in(1, MAX_HEADS),
-        default=None,
-        help="override (default: max(1, total // tp)); a wrong value fails closed",
-    )
+    bounded = [
+        ("--tp", MAX_RANKS, 1, "tensor parallel size"),
+        ("--dcp", MAX_RANKS, 1, "decode context parallel size"),
+        ("--pcp", MAX_RANKS, 1, "prefill context parallel size"),
+        ("--interleave", MAX_BLOCK_SIZE, 1, "tokens per context-parallel chunk"),
+        (
+            "--heads-per-rank",
+            MAX_HEADS,
+            None,
+            "override (default: max(1, total // tp)); a wrong value fails closed",
+        ),
+    ]
+    for flag, maximum, default, text in bounded:
+        p.add_argument(flag, type=int_in(1, maximum), default=default, help=text)
     p.add_argument(
         "--per-token-head-scales",
         action="store_true",
@@ -187,12 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> int:
-    """``main`` for the console: a reader that stops reading (``| head``) is no error."""
-    try:
-        return main()
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
-        return 141
+    """``main`` for the console (``run_console``: ``| head`` is no error)."""
+    return run_console(main)
 
 
 if __name__ == "__main__":

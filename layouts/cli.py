@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["CliParser", "HelpFormatter", "float_in", "int_in", "lower", "upper"]
+__all__ = ["CliParser", "HelpFormatter", "float_in", "int_in", "lower", "run_console", "upper"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -88,3 +90,12 @@ def lower(text: str) -> str:
 def upper(text: str) -> str:
     """argparse ``type`` of case-insensitive upper-case choices (``--order nhd``)."""
     return text.upper()
+
+
+def run_console(main: Callable[[], int]) -> int:
+    """``main()`` for the console: a reader that stops reading (``| head``) is no error."""
+    try:
+        return main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 141

@@ -12,6 +12,7 @@ mapping would silently hand a reader another rank's bytes, which is not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -25,6 +26,7 @@ __all__ = [
     "certification_failure",
     "derive_group_mappings",
     "derive_layer_mapping",
+    "group_layer_mappings",
     "opaque_fallback_mapping",
 ]
 
@@ -327,3 +329,45 @@ def _verified_group_mappings(
     mappings = tuple(derived)
     verify_tiling(mappings)  # a failure is not cached: lru_cache stores only returns
     return mappings
+
+
+def group_layer_mappings(
+    specs: Sequence[LayerSpec | None],
+    ctx: RankContext,
+    *,
+    fallback_page_sizes: Sequence[int] | None = None,
+    layer_names: Sequence[str] | None = None,
+) -> list[tuple[CanonicalPageMapping, ...]]:
+    """Every layer's verified mappings for every rank of ``ctx``'s group.
+
+    A layer whose spec is None (layout not recognised) gets the opaque fallback with
+    ``fallback_page_sizes[l]`` bytes per page (its block size in bytes). Every opaque
+    mapping carries its ``fallback_reason``.
+    """
+    out = []
+    for layer, spec in enumerate(specs):
+        if spec is None:
+            if fallback_page_sizes is None:
+                raise ValueError(f"specs[{layer}]: None needs fallback_page_sizes[{layer}]")
+            page, ranks = int(fallback_page_sizes[layer]), ctx.group_size
+            reason = certification_failure(None, ctx)
+            out.append(
+                tuple(
+                    opaque_fallback_mapping(page, ranks, r, fallback_reason=reason)
+                    for r in range(ranks)
+                )
+            )
+            continue
+        name = layer_names[layer] if layer_names else f"layer {layer}"
+        out.append(
+            derive_group_mappings(
+                spec,
+                ctx.tp_size,
+                ctx.total_kv_heads,
+                ctx.dcp_size,
+                ctx.pcp_size,
+                ctx.interleave,
+                layer_name=name,
+            )
+        )
+    return out

@@ -104,9 +104,10 @@ class LayerSpec:
     packing : {"packed", "split"}
         ``"packed"``: tensor (num_blocks, heads, block_size, 2*head_size), K and V
         adjacent per (token, head). ``"split"``: (num_blocks, 2, block_size, heads,
-        head_size), K and V in separate page halves.
+        head_size), K and V in separate page halves. MLA: ``"packed"`` only.
     order : {"NHD", "HND"}
-        Stride order inside the page: token-major or head-major.
+        Stride order inside the page: token-major or head-major. MLA: ``"NHD"`` only
+        (its one layout; another spelling would name other bytes for the same page).
     per_token_head_scales : bool
         The page itself holds per-(token, head) quantisation scales (e.g. vLLM's
         inline layout); such pages are never certified (where the scales sit is
@@ -138,10 +139,19 @@ class LayerSpec:
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_heads", self.num_kv_heads)
         _positive_int("head_size", self.head_size)
-        if self.attention == "mla" and self.num_kv_heads != 1:
-            raise ValueError(
-                f"num_kv_heads: expected 1 for attention='mla' (one latent), got {self.num_kv_heads}"
-            )
+        if self.attention == "mla":
+            # An MLA latent cache has one layout, (blocks, tokens, latent): one spelling.
+            if self.num_kv_heads != 1:
+                raise ValueError(
+                    f"num_kv_heads: expected 1 for attention='mla' (one latent), "
+                    f"got {self.num_kv_heads}"
+                )
+            for name, want in (("packing", "packed"), ("order", "NHD")):
+                if getattr(self, name) != want:
+                    raise ValueError(
+                        f"{name}: expected {want!r} for attention='mla' (one latent row per "
+                        f"token, as LayerSpec.from_tensor reports it), got {getattr(self, name)!r}"
+                    )
         tps = self.tokens_per_state
         if isinstance(tps, bool) or not isinstance(tps, (int, Fraction, np.integer)) or tps <= 0:
             raise ValueError(f"tokens_per_state: expected a positive int or Fraction, got {tps!r}")

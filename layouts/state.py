@@ -1,39 +1,11 @@
 """Canonical units of per-request recurrent state (Mamba, gated delta net), format v1.
 
-A hybrid model (Jamba, Qwen3-Next, ...) keeps, besides paged attention KV, a
-fixed-size *state* per request and state layer: a short convolution window and
-an SSM / delta-rule matrix. It is not paged by tokens, so it is not a KV page;
-it is stored as its own unit kind, one request's state slot standing for one
-"block" of the state tensors ``(num_slots, ...)``.
-
-Sharding rule (vLLM 0.33's ``MambaStateShapeCalculator`` and weight loaders;
-SGLang's Mamba and GDN layers follow the same rule):
-
-* The conv state of a slot is ``(state_len, conv_channels)`` (layout ``"SD"``,
-  vLLM's default) or ``(conv_channels, state_len)`` (``"DS"``), with
-  ``state_len = conv_kernel - 1 + num_spec``. Its channels are the
-  concatenation of *segments*, each sharded on its own: Mamba2 ``[x, B, C]``
-  (x by heads, B and C by groups), GDN ``[q, k, v]`` (by key / value heads),
-  Mamba1 ``[x]``. A rank holds, per segment, its own contiguous ``1 / tp`` of
-  the segment's units, segments concatenated in the same order. Mamba2 with
-  ``n_groups == 1`` and ``tp > 1`` replicates the one group on every rank (the
-  only replication vLLM supports; any other ``n_groups`` that ``tp`` does not
-  divide is refused).
-* The temporal (SSM) state of a slot is ``(heads / tp, ...)``: heads sharded.
-
-Canonical unit of a state layer: for each state tensor in order (conv, then
-SSM), for each of its segments in order, the segment unsharded as a row-major
-``(outer, channels, inner)`` array (``outer = state_len, inner = 1`` for an
-SD conv state; ``outer = 1, inner = state_len`` for DS; ``outer = 1`` and
-``inner`` the per-head elements for the SSM state). Bytes that several ranks
-hold (a replicated group) are written by one of them, taking turns by page id
-as replicated KV heads do.
-
-Fail closed, as :mod:`layouts.derive`: a TP that does not divide a segment's
-units, a replication that cannot be proven, or context parallelism gets no
-certified mapping (:func:`state_certification_failure` says why), and the
-layer falls back to each rank's slot stored whole at ``rank * slot_bytes``
-(:func:`opaque_state_mappings`), readable only by the same topology.
+A hybrid model keeps, besides paged KV, a fixed-size state per request and state layer (a
+conv window and an SSM / delta-rule matrix), stored as its own unit kind: one request's
+slot stands for one "block" of the state tensors. Segments of the conv channels ([x, B, C],
+[q, k, v], [x]) are sharded on their own, as vLLM 0.33 and SGLang shard them (Mamba2's one
+group replicated); the canonical unit is each segment unsharded, in order. What cannot be
+proven resharded falls back to each rank's slot whole (:func:`opaque_state_mappings`).
 """
 
 from __future__ import annotations
@@ -48,7 +20,7 @@ import numpy as np
 
 from .mapping import CanonicalPageMapping, CopyRun, coalesce_runs
 from .spec import dtype_name, element_size
-from .tiling import TilingError, _first_defect
+from .tiling import TilingError, _first_defect, _kind, verify_writers
 
 __all__ = [
     "CONV_LAYOUTS",
@@ -70,17 +42,9 @@ TENSOR_NAMES = ("conv", "ssm")
 
 # The dims each kind is described by (unsharded model values), in this order.
 _KIND_DIMS = {
-    "mamba1": ("intermediate_size", "state_size", "conv_kernel", "num_spec"),
-    "mamba2": (
-        "num_heads",
-        "head_dim",
-        "n_groups",
-        "state_size",
-        "conv_kernel",
-        "num_spec",
-        "intermediate_size",
-    ),
-    "gdn": ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "num_spec"),
+    "mamba1": "intermediate_size state_size conv_kernel num_spec",
+    "mamba2": "num_heads head_dim n_groups state_size conv_kernel num_spec intermediate_size",
+    "gdn": "num_k_heads num_v_heads head_k_dim head_v_dim conv_kernel num_spec",
 }
 
 
@@ -94,22 +58,10 @@ def _check_dim(name: str, value: Any, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class StateSegment:
-    """A run of channels of one state tensor, sharded as one piece.
-
-    Attributes
-    ----------
-    tensor : int
-        Index of the state tensor (0 conv, 1 SSM).
-    name : str
-        ``"conv.x"``, ``"conv.B"``, ``"ssm"``, ...
-    units : int
-        Shardable units of the segment in the whole model (heads or groups).
-    unit_channels : int
-        Channels per unit along the tensor's sharded axis.
-    replicable : bool
-        A single unit is replicated on every rank when TP exceeds it (Mamba2's
-        ``n_groups == 1``); otherwise TP must divide ``units``.
-    """
+    """A run of channels of state tensor ``tensor`` (0 conv, 1 SSM), sharded as one piece:
+    ``units`` shardable units (heads or groups) of ``unit_channels`` channels each. When
+    ``replicable``, a single unit is replicated on every rank when TP exceeds it (Mamba2's
+    ``n_groups == 1``); otherwise TP must divide ``units``."""
 
     tensor: int
     name: str
@@ -167,7 +119,7 @@ class StateSpec:
             given = dict(self.dims)
         except (TypeError, ValueError):
             raise ValueError(f"dims: expected (name, int) pairs, got {self.dims!r}") from None
-        names = _KIND_DIMS[self.kind]
+        names = _KIND_DIMS[self.kind].split()
         if set(given) != set(names) or len(given) != len(self.dims):
             raise ValueError(f"dims: expected exactly {list(names)} for {self.kind}, got {given}")
         dims = tuple(
@@ -211,14 +163,8 @@ class StateSpec:
         num_spec: int = 0,
     ) -> StateSpec:
         """A Mamba1 mixer (Jamba): conv ``[x]`` and SSM ``(intermediate, state_size)``."""
-        dims = dict(
-            intermediate_size=intermediate_size,
-            state_size=state_size,
-            conv_kernel=conv_kernel,
-            num_spec=num_spec,
-        )
-        ssm = conv_dtype if ssm_dtype is None else ssm_dtype
-        return cls("mamba1", tuple(dims.items()), conv_dtype, ssm, conv_layout)
+        dims = dict(intermediate_size=intermediate_size, state_size=state_size)
+        return cls._mixer("mamba1", dims, conv_kernel, num_spec, conv_dtype, ssm_dtype, conv_layout)
 
     @classmethod
     def mamba2(
@@ -236,17 +182,12 @@ class StateSpec:
     ) -> StateSpec:
         """A Mamba2 mixer: conv ``[x, B, C]`` and SSM ``(num_heads, head_dim, state_size)``."""
         dims = dict(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            n_groups=n_groups,
-            state_size=state_size,
-            conv_kernel=conv_kernel,
-            num_spec=num_spec,
-            # vLLM's mixer: intermediate_size = num_heads * head_dim (checked again below)
-            intermediate_size=num_heads * head_dim if _is_int(num_heads, head_dim) else 0,
+            num_heads=num_heads, head_dim=head_dim, n_groups=n_groups, state_size=state_size
         )
-        ssm = conv_dtype if ssm_dtype is None else ssm_dtype
-        return cls("mamba2", tuple(dims.items()), conv_dtype, ssm, conv_layout)
+        # vLLM's mixer: intermediate_size = num_heads * head_dim (checked again below)
+        product = num_heads * head_dim if _is_int(num_heads, head_dim) else 0
+        args = (conv_kernel, num_spec, conv_dtype, ssm_dtype, conv_layout)
+        return cls._mixer("mamba2", dims, *args, intermediate_size=product)
 
     @classmethod
     def gdn(
@@ -269,11 +210,18 @@ class StateSpec:
             num_v_heads=num_v_heads,
             head_k_dim=head_k_dim,
             head_v_dim=head_v_dim,
-            conv_kernel=conv_kernel,
-            num_spec=num_spec,
         )
+        return cls._mixer("gdn", dims, conv_kernel, num_spec, conv_dtype, ssm_dtype, conv_layout)
+
+    @classmethod
+    def _mixer(
+        cls, kind, dims, conv_kernel, num_spec, conv_dtype, ssm_dtype, conv_layout, **after
+    ) -> StateSpec:
+        """The spec of ``kind``: its dims, then ``conv_kernel`` and ``num_spec`` (then
+        ``after``), in that order; the SSM dtype defaults to the conv's."""
+        dims = {**dims, "conv_kernel": conv_kernel, "num_spec": num_spec, **after}
         ssm = conv_dtype if ssm_dtype is None else ssm_dtype
-        return cls("gdn", tuple(dims.items()), conv_dtype, ssm, conv_layout)
+        return cls(kind, tuple(dims.items()), conv_dtype, ssm, conv_layout)
 
     # ------------------------------------------------------------------ geometry
 
@@ -581,37 +529,12 @@ def verify_state_tiling(group: Sequence[StateLayerMappings], layer_name: str | N
                 kind, begin, end = defect
                 raise TilingError(
                     layer_name,
-                    f"rank {rank}'s segments leave {'a ' if kind == 'gap' else 'an '}{kind} in "
+                    f"rank {rank}'s segments leave {_kind(kind)} in "
                     f"its {TENSOR_NAMES[tensor] if tensor < 2 else tensor} slot at bytes "
                     f"[{begin}, {end}) of {size}",
                 )
     for index, name in enumerate(names):
-        mappings = [layer.segments[index].mapping for layer in group]
-        size = mappings[0].canonical_page_size_bytes
-        num_writers = mappings[0].num_writers
-        if any(
-            m.canonical_page_size_bytes != size or m.num_writers != num_writers for m in mappings
-        ):
-            raise TilingError(
-                layer_name, f"{name}: ranks disagree on its canonical size or writers"
-            )
-        for page_id in range(num_writers):
-            writers = [r for r, m in enumerate(mappings) if m.is_writer(page_id)]
-            frags = [mappings[r].fragments() for r in writers]
-            if not frags:
-                raise TilingError(layer_name, f"{name}: page id {page_id} has no writer")
-            canonical = np.concatenate([f[:, 1:] for f in frags])
-            order = np.argsort(canonical[:, 0], kind="stable")
-            starts = canonical[order, 0]
-            defect = _first_defect(starts, starts + canonical[order, 1], size)
-            if defect and size:
-                kind, begin, end = defect
-                raise TilingError(
-                    layer_name,
-                    f"{name}: writers {writers} of page ids = {page_id} (mod {num_writers}) leave "
-                    f"{'a ' if kind == 'gap' else 'an '}{kind} in the canonical area at bytes "
-                    f"[{begin}, {end}) of {size}",
-                )
+        verify_writers([layer.segments[index].mapping for layer in group], layer_name, name)
 
 
 def derive_state_group_mappings(

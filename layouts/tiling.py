@@ -15,7 +15,7 @@ import numpy as np
 
 from .mapping import CanonicalPageMapping
 
-__all__ = ["TilingError", "verify_tiling"]
+__all__ = ["TilingError", "verify_tiling", "verify_writers"]
 
 
 class TilingError(ValueError):
@@ -48,75 +48,97 @@ def _first_defect(starts: np.ndarray, ends: np.ndarray, size: int) -> tuple[str,
     return None
 
 
+def _kind(kind: str) -> str:
+    return f"{'a ' if kind == 'gap' else 'an '}{kind}"
+
+
 def verify_tiling(mappings: Sequence[CanonicalPageMapping], layer_name: str | None = None) -> None:
     """Check that a group's mappings (indexed by rank) tile exactly.
-
-    Parameters
-    ----------
-    mappings : sequence of CanonicalPageMapping, one per rank of the group.
-    layer_name : str, optional
-        Named in the error.
 
     Raises
     ------
     TilingError
-        When ranks disagree on the canonical page size or writer count, when a
-        rank's runs leave a gap in or overlap its local page, or when the
-        writers elected for some page id (0 .. num_writers-1 covers every
-        rotation) leave a gap in or overlap the canonical page. The message
-        gives the byte range and the ranks involved.
+        Naming ``layer_name``, when ranks disagree on the canonical page size or
+        writer count, when a rank's runs leave a gap in or overlap its local page,
+        or when the writers elected for some page id leave a gap in or overlap the
+        canonical page (:func:`verify_writers`), with the byte range and the ranks.
     """
     if not mappings:
         raise TilingError(layer_name, "no mappings (expected one per rank)")
+    _check_agreement(mappings, layer_name, "")
+    for rank, mapping in enumerate(mappings):
+        frags = mapping.fragments()  # sorted by local offset
+        size = mapping.local_page_size_bytes
+        defect = _first_defect(frags[:, 0], frags[:, 0] + frags[:, 2], size)
+        if defect:
+            kind, begin, end = defect
+            raise TilingError(
+                layer_name,
+                f"rank {rank}'s runs leave {_kind(kind)} in its local page at bytes "
+                f"[{begin}, {end}) of {size}",
+            )
+    _check_writers(mappings, layer_name, "")
+
+
+def verify_writers(
+    mappings: Sequence[CanonicalPageMapping], layer_name: str | None = None, part: str = ""
+) -> None:
+    """The canonical side of :func:`verify_tiling`: ranks agree on the canonical page
+    size and writer count, and the writers elected for every page id (0 .. num_writers-1
+    covers every rotation) write each canonical byte exactly once. ``part``: which part
+    of the layer (e.g. a state segment), named in the error."""
+    if not mappings:
+        raise TilingError(layer_name, f"{part}: no mappings (expected one per rank)")
+    prefix = f"{part}: " if part else ""
+    _check_agreement(mappings, layer_name, prefix)
+    _check_writers(mappings, layer_name, prefix)
+
+
+def _check_agreement(mappings, layer_name: str | None, prefix: str) -> None:
     size = mappings[0].canonical_page_size_bytes
     num_writers = mappings[0].num_writers
     for rank, mapping in enumerate(mappings):
         if mapping.canonical_page_size_bytes != size:
             raise TilingError(
                 layer_name,
-                f"rank {rank} has canonical_page_size_bytes={mapping.canonical_page_size_bytes}, "
-                f"rank 0 has {size}",
+                f"{prefix}rank {rank} has canonical_page_size_bytes="
+                f"{mapping.canonical_page_size_bytes}, rank 0 has {size}",
             )
         if mapping.num_writers != num_writers:
             raise TilingError(
                 layer_name,
-                f"rank {rank} has num_writers={mapping.num_writers}, rank 0 has {num_writers}",
+                f"{prefix}rank {rank} has num_writers={mapping.num_writers}, rank 0 has "
+                f"{num_writers}",
             )
         if not 0 <= mapping.writer_index < num_writers:
             raise TilingError(
                 layer_name,
-                f"rank {rank} has writer_index={mapping.writer_index}, "
+                f"{prefix}rank {rank} has writer_index={mapping.writer_index}, "
                 f"expected 0 <= writer_index < {num_writers}",
             )
-        frags = mapping.fragments()  # sorted by local offset
-        defect = _first_defect(
-            frags[:, 0], frags[:, 0] + frags[:, 2], mapping.local_page_size_bytes
-        )
-        if defect:
-            kind, begin, end = defect
-            raise TilingError(
-                layer_name,
-                f"rank {rank}'s runs leave {'a ' if kind == 'gap' else 'an '}{kind} in its "
-                f"local page at bytes [{begin}, {end}) of {mapping.local_page_size_bytes}",
-            )
+
+
+def _check_writers(mappings, layer_name: str | None, prefix: str) -> None:
+    size = mappings[0].canonical_page_size_bytes
+    num_writers = mappings[0].num_writers
     all_frags = [m.fragments() for m in mappings]
     for page_id in range(num_writers):
         writers = [r for r, m in enumerate(mappings) if m.is_writer(page_id)]
         if not writers:
-            raise TilingError(layer_name, f"page id {page_id} has no writer")
+            raise TilingError(layer_name, f"{prefix}page id {page_id} has no writer")
         starts = np.concatenate([all_frags[r][:, 1] for r in writers])
         sizes = np.concatenate([all_frags[r][:, 2] for r in writers])
         owner = np.concatenate([np.full(len(all_frags[r]), r, dtype=np.int64) for r in writers])
         order = np.argsort(starts, kind="stable")
         starts, ends, owner = starts[order], starts[order] + sizes[order], owner[order]
         defect = _first_defect(starts, ends, size)
-        if defect:
+        if defect and (size or defect[0] != "gap"):  # an empty page has no gap
             kind, begin, end = defect
             near = np.flatnonzero((starts < max(end, begin + 1)) & (ends > begin - 1))
             ranks = sorted({int(owner[i]) for i in near})
             raise TilingError(
                 layer_name,
-                f"writers {writers} of page ids = {page_id} (mod {num_writers}) leave "
-                f"{'a ' if kind == 'gap' else 'an '}{kind} in the canonical page at bytes "
-                f"[{begin}, {end}) of {size} (ranks touching it: {ranks})",
+                f"{prefix}writers {writers} of page ids = {page_id} (mod {num_writers}) leave "
+                f"{_kind(kind)} in the canonical page at bytes [{begin}, {end}) of {size} "
+                f"(ranks touching it: {ranks})",
             )

@@ -63,3 +63,33 @@ def test_cases_of_a_goal_fold_into_its_worst(tmp_path):
     text = summary.render(rows, 120)
     assert text.splitlines()[-1].startswith("1 of 4 goals met")
     assert all(len(line) <= 120 for line in text.splitlines())
+
+
+def test_vllm_tier_goals_join_the_screen(tmp_path):
+    """bench_vllm_tiers.py's goals (one per operation and model) fold like the others, and a
+    run without it (no vLLM venv) reads NOT RUN, never met."""
+    assert ("vLLM fs vs canonical_fs", "(vllm_tiers.json not found: benchmark not run)", "-",
+            "NOT RUN") in summary.rows(tmp_path)  # fmt: skip
+    goal = "load warm: canonical_fs >= 0.85x vLLM fs (better of O_DIRECT, buffered)"
+    write(
+        tmp_path,
+        "vllm_tiers.json",
+        [
+            {"goal": f"{goal}; llama3-8b-like", "measured": 0.9, "target": 0.85, "met": True},
+            {
+                "goal": f"{goal}; deepseek-v3-like-mla",
+                "measured": 0.7,
+                "target": 0.85,
+                "met": False,
+            },
+        ],
+    )
+    rows = [r for r in summary.rows(tmp_path) if r[0] == "vLLM fs vs canonical_fs"]
+    assert rows == [
+        (
+            "vLLM fs vs canonical_fs",
+            goal,
+            "worst 0.70× (deepseek-v3-like-mla)",
+            "NOT MET (1/2 cases)",
+        )
+    ]

@@ -90,3 +90,26 @@ def test_ops_wrappers_refuse_float_and_bool_ids():
         canonical_ops.make_plan([mapping], kv, pages, pages_per_row=1.0)
     with pytest.raises(TypeError, match="sms"):
         canonical_ops.set_sm_budget(2.5)
+
+
+@pytest.mark.parametrize("value", [1, 0.25, np.float32(2.5), np.int64(3)])
+def test_seconds_accepted_as_floats(value):
+    assert checks.check_seconds("deadline_s", value) == float(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+     (True, TypeError), ("5", TypeError)],
+)  # fmt: skip
+def test_bad_seconds_name_the_argument(value, error):
+    with pytest.raises(error, match=r"^deadline_s: expected a number of seconds > 0, got"):
+        checks.check_seconds("deadline_s", value)
+    with pytest.raises(error, match=r"^deadline_s: expected a number of seconds > 0 or None"):
+        checks.check_seconds("deadline_s", value, optional=True)
+
+
+def test_no_seconds_only_where_optional():
+    assert checks.check_seconds("deadline_s", None, optional=True) is None
+    with pytest.raises(TypeError, match=r"^deadline_s: expected a number of seconds > 0, got"):
+        checks.check_seconds("deadline_s", None)

@@ -21,7 +21,11 @@ import pytest
 import torch
 from helpers.demo_cli import ROOT, TINY, assert_usage_error, run_demo
 
-from canonical_ops import demo
+from canonical_ops.demo import config as demo_config
+from canonical_ops.demo import report, truth
+from canonical_ops.demo.cli import build_parser
+from canonical_ops.demo.presets import PRESETS
+from canonical_ops.demo.ranks import GroupRun
 from layouts import LayerSpec, RankContext, certification_failure
 
 # ------------------------------------------------------------------------ item 10: bad input
@@ -100,18 +104,18 @@ def test_choices_are_case_insensitive():
 
 def test_a_persistent_phase_uses_only_its_own_roles_flags():
     """A reader neither knows nor needs the topology that wrote the store (and vice versa)."""
-    parse = demo.build_parser().parse_args
-    read = demo.build_config(
+    parse = build_parser().parse_args
+    read = demo_config.build_config(
         parse([*TINY, "--store", "/x", "--phase", "read", "--writer-tp", "3"]), "cpu"
     )
     assert (read.writer_tp, read.reader_tp) == (2, 2)  # TP 3 is no topology of 8 heads: unused
-    write = demo.build_config(
+    write = demo_config.build_config(
         parse([*TINY, "--store", "/x", "--phase", "write", "--reader-tp", "5", "--writer-pp", "2"]),
         "cpu",
     )
     assert (write.reader_tp, write.reader_pp) == (4, 2) == (write.writer_tp, write.writer_pp)
-    with pytest.raises(demo.UsageError, match="--writer-tp 3"):  # both engines run: checked
-        demo.build_config(parse([*TINY, "--store", "/x", "--writer-tp", "3"]), "cpu")
+    with pytest.raises(demo_config.UsageError, match="--writer-tp 3"):  # both engines: checked
+        demo_config.build_config(parse([*TINY, "--store", "/x", "--writer-tp", "3"]), "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
@@ -130,6 +134,50 @@ def test_region_larger_than_dev_shm_is_refused_before_any_work():
     )
     assert "--prompt-tokens" in line
     assert time.monotonic() - start < 60  # not minutes of page bookkeeping
+
+
+HYBRID = ["--preset", "tiny-hybrid", "--prompt-tokens", "40"]
+HYBRID_BAD = [
+    ([], ["--store DIR", "tiny-hybrid"]),
+    (["--store", "/tmp", "--writer-tp", "3"], ["--writer-tp 3", "4 KV heads"]),
+    (["--store", "/tmp", "--reader-tp", "32"], ["--reader-tp 32", "cannot be resharded"]),
+    (["--store", "/tmp", "--layers", "4"], ["--layers", "hybrid"]),
+    (["--store", "/tmp", "--kv-heads", "2"], ["--kv-heads", "hybrid"]),
+    (["--store", "/tmp", "--dtype", "float16"], ["--dtype float16", "bfloat16"]),
+    (["--store", "/tmp", "--order", "HND"], ["--packing/--order", "packed NHD"]),
+    (["--store", "/tmp", "--device", "cuda"], ["--device cuda", "CPU"]),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), HYBRID_BAD, ids=[" ".join(a) for a, _ in HYBRID_BAD])
+def test_hybrid_bad_input_is_one_line_and_exit_2(args, words):
+    assert_usage_error(run_demo(*HYBRID, *args), *words)
+
+
+def test_hybrid_region_larger_than_dev_shm_is_refused_before_any_work(tmp_path):
+    """Issue 26: the hybrid presets ran 23 s and died with a traceback (`can't allocate
+    memory`) where the other presets refuse in one line; now the same pre-check."""
+    start = time.monotonic()
+    args = ["--preset", "qwen3-next-like", "--prompt-tokens", "16777216", "--store", str(tmp_path)]
+    line = assert_usage_error(run_demo(*args), "--prompt-tokens 16777216", "/dev/shm", "GiB")
+    assert "--layers" not in line  # a hybrid preset has no --layers to lower
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.iterdir())  # refused before the store was opened
+
+
+def test_transfer_figures_say_what_they_are():
+    """Issue 26: "load 3.04 GB/s (0.05x a plain copy)" from one timed transfer contradicted
+    the README's benchmark tables; the lines now say what the figure is, with no ratio."""
+    result = run_demo(*TINY, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("store:", "load:"))]
+    assert len(lines) == 2, result.stderr
+    for line in lines:
+        assert "plain copy" not in line and "x a " not in line, line
+        assert "at once" in line and "one timed pass" in line and "not a benchmark" in line
+    for kind in ("store", "load"):
+        assert set(summary[kind]) == {"ranks", "bytes", "seconds", "gbps"}, summary[kind]
 
 
 # --------------------------------------------------------------------- item 11: a true verdict
@@ -156,7 +204,7 @@ def test_topology_the_model_cannot_have_is_refused_with_the_reason(writer_tp, re
     assert reason and f"certification: {reason}" in line
 
 
-def config(writer_tp=4, reader_tp=2, **overrides) -> demo.DemoConfig:
+def config(writer_tp=4, reader_tp=2, **overrides) -> demo_config.DemoConfig:
     fields = dict(
         attention="full",
         layers=2,
@@ -173,7 +221,7 @@ def config(writer_tp=4, reader_tp=2, **overrides) -> demo.DemoConfig:
         preset="tiny",
     )
     fields.update(overrides)
-    return demo.DemoConfig(**fields)
+    return demo_config.DemoConfig(**fields)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
@@ -185,22 +233,23 @@ def test_reader_ranks_together_hold_every_head(tp, packing, order):
     assert all(len(heads) == cfg.spec(tp).num_kv_heads for heads in held)
 
 
-def reader_report(cfg: demo.DemoConfig, tp: int, rank: int, corrupt: bool = False) -> dict:
+def reader_report(cfg: demo_config.DemoConfig, tp: int, rank: int, corrupt: bool = False) -> dict:
     """What a reader rank reports, from real caches filled from the truth."""
-    kv = demo.allocate_kv(cfg, tp, torch.device("cpu"))
-    blocks = demo.block_table(cfg, salt=2)
+    kv = truth.allocate_kv(cfg, tp, torch.device("cpu"))
+    blocks = truth.block_table(cfg, salt=2)
     for layer in range(cfg.layers):
-        kv[layer][blocks] = demo.shard_of(cfg, demo.truth_layer(cfg, layer), tp, rank)
+        kv[layer][blocks] = truth.shard_of(cfg, truth.truth_layer(cfg, layer), tp, rank)
     if corrupt:
         block = kv[1][int(blocks[2])]  # a view: the write lands in the cache
         block[(0,) * (block.dim() - 1) + (5,)] ^= 0x0101  # both bytes of one element, layer 1
-    check = demo.compare_with_truth(cfg, tp, rank, kv, blocks)
-    return dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0, copy_seconds=1.0, **check)
+    check = truth.compare_with_truth(cfg, tp, rank, kv, blocks)
+    state = dict(state_bytes_checked=0, state_bytes_wrong=0)
+    return dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0, **check, **state)
 
 
-def good_writers(cfg: demo.DemoConfig) -> demo.GroupRun:
-    report = dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0, copy_seconds=1.0)
-    return demo.GroupRun("writer", cfg.writer_tp, {r: report for r in range(cfg.writer_tp)})
+def good_writers(cfg: demo_config.DemoConfig) -> GroupRun:
+    written = dict(pages=cfg.prompt_blocks, bytes=1, seconds=1.0)
+    return GroupRun("writer", cfg.writer_tp, {r: written for r in range(cfg.writer_tp)})
 
 
 @pytest.mark.parametrize(
@@ -222,7 +271,7 @@ def test_verify_passes_only_bit_exact_full_coverage(packing, order, attention, h
         reader_tp=4,
     )
     reports = {rank: reader_report(cfg, 4, rank) for rank in range(4)}
-    good = demo.verify(cfg, good_writers(cfg), 3, demo.GroupRun("reader", 4, reports))
+    good = report.verify(cfg, good_writers(cfg), 3, GroupRun("reader", 4, reports))
     assert good.failures == [] and good.bytes_wrong == 0
     assert (good.pages_loaded, good.pages_missed) == (3, 0)
     assert (
@@ -237,7 +286,7 @@ def test_verify_passes_only_bit_exact_full_coverage(packing, order, attention, h
     )
 
     reports[2] = reader_report(cfg, 4, 2, corrupt=True)
-    bad = demo.verify(cfg, good_writers(cfg), 3, demo.GroupRun("reader", 4, reports))
+    bad = report.verify(cfg, good_writers(cfg), 3, GroupRun("reader", 4, reports))
     assert bad.bytes_wrong == 2
     assert any("reader rank 2: layers [1] differ" in f for f in bad.failures), bad.failures
 
@@ -246,8 +295,8 @@ def test_verify_fails_when_heads_are_held_by_no_reader():
     """The old demo's TP=3 readers held heads 0-5 only and still printed PASS."""
     cfg = config(reader_tp=4)
     reports = {rank: reader_report(cfg, 4, rank) for rank in range(3)}  # rank 3 (heads 6-7) lost
-    readers = demo.GroupRun("reader", 3, reports)  # as if the group had 3 ranks
-    result = demo.verify(cfg, good_writers(cfg), 3, readers)
+    readers = GroupRun("reader", 3, reports)  # as if the group had 3 ranks
+    result = report.verify(cfg, good_writers(cfg), 3, readers)
     assert result.bytes_wrong == 0
     assert any("KV heads [6, 7] were held by no reader rank" in f for f in result.failures)
 
@@ -255,17 +304,17 @@ def test_verify_fails_when_heads_are_held_by_no_reader():
 def test_verify_fails_on_missing_pages_and_failed_ranks():
     cfg = config(reader_tp=2)
     reports = {rank: reader_report(cfg, 2, rank) for rank in range(2)}
-    for report in reports.values():
-        report["pages"] = report["blocks"] = 2  # only 2 of the 3 pages were ready
+    for reported in reports.values():
+        reported["pages"] = reported["blocks"] = 2  # only 2 of the 3 pages were ready
     writers = good_writers(cfg)
     writers.errors[1] = "Traceback ...\nRuntimeError: boom"
-    result = demo.verify(cfg, writers, 2, demo.GroupRun("reader", 2, reports))
+    result = report.verify(cfg, writers, 2, GroupRun("reader", 2, reports))
     assert (result.pages_loaded, result.pages_missed) == (2, 1)
     assert "writer rank 1 failed: RuntimeError: boom" in result.failures
     assert any("only 2/3 prompt pages became ready" in f for f in result.failures)
 
-    readers = demo.GroupRun("reader", 2, {0: reports[0]}, {1: "no report within --timeout 1 s"})
-    result = demo.verify(cfg, good_writers(cfg), 3, readers)
+    readers = GroupRun("reader", 2, {0: reports[0]}, {1: "no report within --timeout 1 s"})
+    result = report.verify(cfg, good_writers(cfg), 3, readers)
     assert result.pages_loaded == 0 and result.pages_missed == 3
     assert "reader rank 1 failed: no report within --timeout 1 s" in result.failures
 
@@ -277,7 +326,7 @@ def test_help_shows_defaults_and_presets():
     result = run_demo("--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    for name, preset in demo.PRESETS.items():
+    for name, preset in PRESETS.items():
         assert f"{name} {preset.describe()}" in text, name
     assert "llama3-8b full attention, 32 layers, 8 KV heads x 128, bfloat16, block 16" in text
     assert "deepseek-v3 mla attention, 61 layers, 1 latent x 576, bfloat16, block 64" in text

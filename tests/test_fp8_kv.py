@@ -296,8 +296,8 @@ def test_per_tensor_scales_travel_exactly_in_the_namespace(tmp_path):
     scales = KVScales("per-tensor", k_scale=0.1, v_scale=np.float32(3.3e-3))
     assert scales.k_scale == k  # taken at float32 precision, as the engine holds it
     ns = namespace_of(4, "packed", "HND", scales)
-    with FileStore(tmp_path, ns, fsync=False):
-        pass
+    with FileStore(tmp_path, ns, fsync=False) as store:  # namespace.json comes with a first unit
+        assert store.store(b"k", 0, np.zeros(ns.layer_bytes(0, ns.num_layers), np.uint8), 0).ok
     with open(os.path.join(tmp_path, ns.hex, "namespace.json")) as f:
         again = StoreNamespace.from_description(json.load(f))
     assert again.digest == ns.digest
@@ -477,7 +477,7 @@ def test_worker_and_stage_cache_through_files(
         writer.close()
     reader = Engine(tmp_path, reader_tp, packing, order, scales, empty=True)
     try:
-        found = reader.cache.lookup(keys)
+        found = reader.cache.lookup(keys, timeout=30)
         assert found.from_tiers == BLOCKS
         reader.cache.fetch(keys, found)
         assert [e.status for e in reader.cache.drain(30)] == ["ok"] * BLOCKS

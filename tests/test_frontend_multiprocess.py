@@ -41,6 +41,13 @@ def group_mappings(model: Model, topo: Topo):
     )
 
 
+def task(role, model, topo, rank, page_ids, salt, region_args, region_rank, **extra) -> dict:
+    """One rank process's work (helpers/frontend_rank.py), attaching as ``region_rank``."""
+    region = dict(region_args, rank=region_rank)
+    return dict(role=role, model=model, topo=topo, rank=rank, page_ids=page_ids, salt=salt,
+                region=region, **extra)  # fmt: skip
+
+
 def run_ranks(ctx_mp, tasks: list[dict], timeout: float = 120.0) -> list[dict]:
     results = ctx_mp.Queue()
     procs = [ctx_mp.Process(target=rank_entry, args=(t, results)) for t in tasks]
@@ -83,15 +90,7 @@ def cross_topology(ctx_mp, model: Model, writer: Topo, reader: Topo) -> None:
         writers = run_ranks(
             ctx_mp,
             [
-                dict(
-                    role="writer",
-                    model=model,
-                    topo=writer,
-                    rank=r,
-                    page_ids=page_ids,
-                    salt=1,
-                    region=dict(region_args, rank=1 + r),
-                )
+                task("writer", model, writer, r, page_ids, 1, region_args, 1 + r)
                 for r in range(writer.ranks)
             ],
         )
@@ -104,15 +103,7 @@ def cross_topology(ctx_mp, model: Model, writer: Topo, reader: Topo) -> None:
         readers = run_ranks(
             ctx_mp,
             [
-                dict(
-                    role="reader",
-                    model=model,
-                    topo=reader,
-                    rank=r,
-                    page_ids=loaded,
-                    salt=2,
-                    region=dict(region_args, rank=1 + writer.ranks + r),
-                )
+                task("reader", model, reader, r, loaded, 2, region_args, 1 + writer.ranks + r)
                 for r in range(reader.ranks)
             ],
         )
@@ -184,7 +175,7 @@ def through_files(ctx_mp, root, model: Model, writer: Topo, reader: Topo) -> Non
                 page_ids = manager.allocate(hashes)
                 generations = [manager.generation(page) for page in page_ids]
             else:
-                found = cache.lookup(hashes)
+                found = cache.lookup(hashes, timeout=60)
                 assert (found.in_region, found.from_tiers) == (0, len(hashes))
                 assert cache.fetch(hashes, found).submitted == len(hashes)
                 cache.drain(60)
@@ -194,15 +185,7 @@ def through_files(ctx_mp, root, model: Model, writer: Topo, reader: Topo) -> Non
             results = run_ranks(
                 ctx_mp,
                 [
-                    dict(
-                        role=role,
-                        model=model,
-                        topo=topo,
-                        rank=r,
-                        page_ids=page_ids,
-                        salt=salt,
-                        region=dict(region_args, rank=1 + r),
-                    )
+                    task(role, model, topo, r, page_ids, salt, region_args, 1 + r)
                     for r in range(topo.ranks)
                 ],
             )
@@ -265,20 +248,16 @@ def test_non_writer_store_changes_nothing() -> None:
 
 
 def test_writer_killed_mid_store(ctx_mp) -> None:
-    """A writer SIGKILLed before finishing: its page never becomes ready and is reclaimed;
-    the other pages stay ready and read back bit-exact."""
+    """A writer SIGKILLed before finishing: its page never becomes ready, and once the engine
+    fails that rank's store the page is free again; the other pages read back bit-exact."""
     model = Model("full", 8, "packed", "NHD")
     writer, reader = Topo(2), Topo(1)
     w_groups = group_mappings(model, writer)
     row_bytes = canonical_row_bytes([g[0] for g in w_groups], model.pages_per_row)
-    now = [0.0]
-    manager = PageManager.from_mappings(
-        model.num_rows * model.pages_per_row, w_groups, clock=lambda: now[0]
-    )
+    manager = PageManager.from_mappings(model.num_rows * model.pages_per_row, w_groups)
     good_hashes = [b"a", b"b", b"c"]
     good = manager.allocate(good_hashes)
     good_generations = [manager.generation(page) for page in good]
-    now[0] = 10.0
     doomed = manager.allocate([b"doomed"])
     doomed_generation = manager.generation(doomed[0])
     region_args = dict(
@@ -290,18 +269,7 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
     with SharedOffloadRegion(**region_args, rank=0) as region:
         for result in run_ranks(
             ctx_mp,
-            [
-                dict(
-                    role="writer",
-                    model=model,
-                    topo=writer,
-                    rank=r,
-                    page_ids=good,
-                    salt=1,
-                    region=dict(region_args, rank=1 + r),
-                )
-                for r in range(2)
-            ],
+            [task("writer", model, writer, r, good, 1, region_args, 1 + r) for r in range(2)],
         ):
             for page, generation in zip(good, good_generations):
                 manager.complete_store(page, result["rank"], generation=generation)
@@ -312,14 +280,15 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
         victim = ctx_mp.Process(
             target=rank_entry,
             args=(
-                dict(
-                    role="writer",
-                    model=model,
-                    topo=writer,
-                    rank=1,
-                    page_ids=doomed,
-                    salt=3,
-                    region=dict(region_args, rank=3),
+                task(
+                    "writer",
+                    model,
+                    writer,
+                    1,
+                    doomed,
+                    3,
+                    region_args,
+                    3,
                     kill_before_store=True,
                     announce=announce,
                 ),
@@ -332,25 +301,15 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
         assert victim.exitcode == -9
         survivor = run_ranks(
             ctx_mp,
-            [
-                dict(
-                    role="writer",
-                    model=model,
-                    topo=writer,
-                    rank=0,
-                    page_ids=doomed,
-                    salt=3,
-                    region=dict(region_args, rank=4),
-                )
-            ],
+            [task("writer", model, writer, 0, doomed, 3, region_args, 4)],
         )
         manager.complete_store(doomed[0], survivor[0]["rank"], generation=doomed_generation)
         assert manager.state(doomed[0]) == "pending"
         assert manager.lookup([b"doomed"]) == 0
-        now[0] = 50.0
-        assert manager.reclaim_stale(max_age_s=60.0) == []  # not stale yet; ready pages never
-        now[0] = 1000.0
-        assert manager.reclaim_stale(max_age_s=60.0) == doomed
+        # The engine saw the rank die: it fails the rank's in-flight pages (ready ones stay).
+        in_flight = [*good, *doomed]
+        generations = [*good_generations, doomed_generation]
+        assert manager.fail_store(in_flight, generations=generations) == doomed
         assert manager.state(doomed[0]) == "free"
         assert manager.lookup(good_hashes) == 3
         # Other pages' bytes untouched by the dead job.
@@ -361,17 +320,7 @@ def test_writer_killed_mid_store(ctx_mp) -> None:
         loaded = manager.acquire(good_hashes)
         readers = run_ranks(
             ctx_mp,
-            [
-                dict(
-                    role="reader",
-                    model=model,
-                    topo=reader,
-                    rank=0,
-                    page_ids=loaded,
-                    salt=2,
-                    region=dict(region_args, rank=5),
-                )
-            ],
+            [task("reader", model, reader, 0, loaded, 2, region_args, 5)],
         )
         assert readers[0]["mismatches"] == []
         manager.release(loaded)

@@ -6,14 +6,15 @@ one TP stores a request's KV blocks and its state (every rank through the
 ops, into the stage's regions; the StageCaches persist them into a FileStore);
 a new engine at another TP, with empty regions, fetches both from the files
 and loads them into its own caches. Every byte is compared with each rank's
-shard sliced from the unsharded truth with numpy (vLLM's sharding rule,
-written out here independently of layouts.state).
+shard sliced from the unsharded truth with numpy (vLLM's sharding rule:
+``engine.hybrid.state_shard``, written independently of layouts.state's mappings).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,9 +29,10 @@ from canonical_ops.engine.hybrid import (
     hybrid_namespace,
     split_stage_layers,
     state_page_manager,
+    state_shard,
 )
 from canonical_ops.engine.pages import PageManager
-from canonical_ops.units.files import FileStore, iter_unit_files
+from canonical_ops.units.files import FileStore
 from canonical_ops.units.namespace import (
     ModelIdentity,
     StateReshardError,
@@ -45,27 +47,15 @@ MODEL = ModelIdentity("test/qwen3-next-like", "r1")
 KINDS = ["gdn", "gdn", "gdn", "attn", "mamba2", "gdn", "gdn", "attn"]
 IS_STATE = [k != "attn" for k in KINDS]
 KV_HEADS, HEAD, BLOCK, BLOCKS = 8, 16, 4, 3
-GDN = StateSpec.gdn(
-    num_k_heads=8,
-    num_v_heads=16,
-    head_k_dim=4,
-    head_v_dim=4,
-    conv_kernel=4,
-    conv_dtype="bfloat16",
-    ssm_dtype="float32",
-)
+DTYPES = dict(conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="float32")
+GDN = StateSpec.gdn(num_k_heads=8, num_v_heads=16, head_k_dim=4, head_v_dim=4, **DTYPES)
 MAMBA2 = StateSpec.mamba2(
-    num_heads=8,
-    head_dim=4,
-    n_groups=1,
-    state_size=8,
-    conv_kernel=4,
-    conv_dtype="bfloat16",
-    ssm_dtype="float32",
-    conv_layout="DS",
+    num_heads=8, head_dim=4, n_groups=1, state_size=8, conv_layout="DS", **DTYPES
 )
 NP_DTYPES = {"bfloat16": np.uint16, "float32": np.uint32}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Mamba2 with n_groups=2: TP=4 cannot prove the sharding (vLLM replicates only one group).
+REFUSED = StateSpec.mamba2(num_heads=8, head_dim=4, n_groups=2, state_size=8, **DTYPES)
 HASHES = [b"block-%02d" % i for i in range(BLOCKS)]
 STATE_KEY = HASHES[-1]  # the state after the prefix's last block
 SLOTS = 3  # state slots per rank; the request lives in slot 1 (writer), slot 2 (reader)
@@ -104,23 +94,16 @@ def make_truth(specs: list[StateSpec], seed: int = 7) -> Truth:
     return Truth(kv, states)
 
 
-def state_shard(spec: StateSpec, full: dict[str, np.ndarray], tp: int, rank: int):
-    """(conv, ssm) numpy arrays of one slot at ``rank``: each conv segment's own 1/tp of
-    its units side by side (the one Mamba2 group whole on every rank), SSM heads split."""
-    parts: list[list[np.ndarray]] = [[], []]
-    for seg in spec.segments:
-        data = full[seg.name]
-        if seg.units % tp:
-            assert seg.units == 1
-            parts[seg.tensor].append(data)
-        else:
-            per = seg.channels // tp
-            parts[seg.tensor].append(data[:, rank * per : (rank + 1) * per])
-    conv = np.concatenate(parts[0], axis=1)  # (outer, channels, inner)
-    ssm = np.concatenate(parts[1], axis=1)
-    # SD: (state_len, channels, 1) -> (state_len, channels); DS: (1, channels, state_len).
-    conv = conv[0] if spec.conv_layout == "DS" else conv[:, :, 0]
-    return conv, ssm[0].reshape(ssm.shape[1], *spec.ssm_head_shape())
+def unit_paths(namespace_dir: str) -> list[tuple[str, int, int]]:
+    """(path, first, end) of every unit file below a namespace directory
+    (``<kd[:2]>/<kd>/<first>-<end>.ckv``)."""
+    out = []
+    for dirpath, _, names in os.walk(namespace_dir):
+        for name in names:
+            if name.endswith(".ckv") and os.path.relpath(dirpath, namespace_dir).count(os.sep) == 1:
+                first, end = map(int, name[: -len(".ckv")].split("-"))
+                out.append((os.path.join(dirpath, name), first, end))
+    return sorted(out)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -268,8 +251,8 @@ def read(engine: Engine) -> list[dict]:
     """Fetch the prefix's KV and state from the files, load into every rank; events."""
     out = []
     for stage in engine.stages:
-        kv_found = stage["kv_cache"].lookup(HASHES)
-        state_found = stage["state_cache"].lookup([STATE_KEY])
+        kv_found = stage["kv_cache"].lookup(HASHES, timeout=30)
+        state_found = stage["state_cache"].lookup([STATE_KEY], timeout=30)
         stage["kv_cache"].fetch(HASHES, kv_found)
         stage["state_cache"].fetch([STATE_KEY], state_found)
         kv_events, state_events = stage["kv_cache"].drain(), stage["state_cache"].drain()
@@ -382,8 +365,8 @@ def test_state_units_are_their_own_kind(tmp_path):
     engine.close()
     dirs = sorted(os.listdir(tmp_path))
     assert ns.hex in dirs and state_ns.hex in dirs
-    state_units = [u for u in iter_unit_files(os.path.join(tmp_path, state_ns.hex))]
-    assert len(state_units) == 1 and (state_units[0].first, state_units[0].end) == (0, 6)
+    [(_, first, end)] = unit_paths(os.path.join(tmp_path, state_ns.hex))
+    assert (first, end) == (0, 6)
 
 
 def test_foreign_state_geometry_is_a_miss(tmp_path):
@@ -409,8 +392,8 @@ def test_corrupt_state_unit_is_a_miss_and_writes_nothing(tmp_path):
     write(engine, make_truth(specs), specs)
     engine.close()
     state_dir = os.path.join(tmp_path, engine.namespace.state_units().hex)
-    [unit] = list(iter_unit_files(state_dir))
-    with open(unit.path, "r+b") as f:
+    [(path, _, _)] = unit_paths(state_dir)
+    with open(path, "r+b") as f:
         f.seek(-5, os.SEEK_END)
         byte = f.read(1)
         f.seek(-5, os.SEEK_END)
@@ -435,16 +418,7 @@ def test_corrupt_state_unit_is_a_miss_and_writes_nothing(tmp_path):
 def test_state_that_cannot_be_resharded_stays_with_its_topology(tmp_path):
     """Mamba2 with n_groups=2 at TP=4: not provable (vLLM replicates only n_groups == 1).
     The same topology reads it back; another gets a miss, and the store says why."""
-    refused = StateSpec.mamba2(
-        num_heads=8,
-        head_dim=4,
-        n_groups=2,
-        state_size=8,
-        conv_kernel=4,
-        conv_dtype="bfloat16",
-        ssm_dtype="float32",
-    )
-    specs = state_specs(mamba2=refused)
+    specs = state_specs(mamba2=REFUSED)
     truth = make_truth(specs)
     engine = open_engine(tmp_path, 4, specs=specs)
     assert engine.namespace.topology_bound
@@ -491,6 +465,82 @@ def test_worker_refuses_tensors_that_are_not_the_spec(tmp_path):
         StateWorker(good, [GDN, GDN], _ctx(2), rows)
 
 
+def _namespace(tp: int, specs: list[StateSpec]) -> StoreNamespace:
+    sizes = [None if s.local_shapes(tp) else (128, 32) for s in specs]  # as make_state_caches
+    return hybrid_namespace(
+        MODEL, [attn_spec(tp)] * KINDS.count("attn"), specs, _ctx(tp), state_tensor_bytes=sizes
+    )
+
+
+def test_explain_state_miss_reads_only_private_regular_files(tmp_path):
+    """issue 26: it opened every <namespace>/namespace.json under the root as it found it: a
+    FIFO there blocked the reader forever, and another user's directory was believed."""
+    specs = state_specs(mamba2=REFUSED)
+    writer, reader = _namespace(4, specs).state_units(), _namespace(2, specs)
+    directory = tmp_path / writer.hex
+    directory.mkdir(mode=0o700)
+    description = directory / "namespace.json"
+    description.write_text(json.dumps(writer.describe()))
+    description.chmod(0o600)
+    assert isinstance(explain_state_miss(tmp_path, reader, _ctx(2)), StateReshardError)
+    if os.geteuid() == 0:  # a directory of another user is not read
+        os.chown(directory, 4242, 4242)
+        assert explain_state_miss(tmp_path, reader, _ctx(2)) is None
+        os.chown(directory, 0, 0)
+    elsewhere = tmp_path / "elsewhere"
+    directory.rename(elsewhere)
+    directory.symlink_to(elsewhere)  # a symlinked namespace directory is not followed
+    assert explain_state_miss(tmp_path, reader, _ctx(2)) is None
+    directory.unlink()
+    elsewhere.rename(directory)
+    description.unlink()
+    os.mkfifo(description, 0o600)  # a FIFO: refused at once, never waited on
+    answers: list = []
+    thread = threading.Thread(
+        target=lambda: answers.append(explain_state_miss(tmp_path, reader, _ctx(2))), daemon=True
+    )
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and answers == [None]
+
+
+def test_state_shard_is_vllms_split():
+    """Each rank's conv channels and SSM heads: its own 1/tp of every segment, side by
+    side; Mamba2's single group whole on every rank; the per-slot shapes vLLM allocates."""
+    for spec in (GDN, MAMBA2):
+        rng = np.random.default_rng(3)
+        full = {
+            name: rng.integers(0, 1 << 16, size=shape).astype(NP_DTYPES[dtype])
+            for name, dtype, shape, _ in spec.canonical_layout()
+        }
+        for tp in (1, 2, 4, 8):
+            shards = [state_shard(spec, full, tp, rank) for rank in range(tp)]
+            for conv, ssm in shards:
+                assert (conv.shape, ssm.shape) == spec.local_shapes(tp)
+            heads = np.concatenate([ssm for _, ssm in shards])  # the heads, in rank order
+            np.testing.assert_array_equal(heads.reshape(full["ssm"].shape), full["ssm"])
+            channels = 0 if spec.conv_layout == "DS" else 1  # the conv's channel axis
+            for seg in spec.segments[:-1]:
+                width = seg.channels // tp if seg.units % tp == 0 else seg.channels
+                lo = sum(
+                    (s.channels // tp if s.units % tp == 0 else s.channels)
+                    for s in spec.segments[: spec.segments.index(seg)]
+                )
+                for rank, (conv, _) in enumerate(shards):
+                    got = np.take(conv, range(lo, lo + width), axis=channels)
+                    start = rank * width if seg.units % tp == 0 else 0
+                    want = full[seg.name][:, start : start + width]
+                    want = want[0] if spec.conv_layout == "DS" else want[:, :, 0]
+                    np.testing.assert_array_equal(got, want)
+    full = make_truth([GDN]).states[0]
+    with pytest.raises(ValueError, match=r"tp: conv\.q has 8 units, which tp=3 cannot shard"):
+        state_shard(GDN, full, 3, 0)
+    with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 1\], got 2"):
+        state_shard(GDN, full, 2, 2)
+    with pytest.raises(ValueError, match="full: expected segment 'ssm'"):
+        state_shard(GDN, {k: v for k, v in full.items() if k != "ssm"}, 2, 0)
+
+
 def test_split_stage_layers():
     assert split_stage_layers(IS_STATE, 0, 8) == ((0, 2), (0, 6))
     assert split_stage_layers(IS_STATE, 0, 4) == ((0, 1), (0, 3))
@@ -498,58 +548,6 @@ def test_split_stage_layers():
     assert split_stage_layers(IS_STATE, 4, 5) == ((1, 1), (3, 4))
     with pytest.raises(ValueError, match="end"):
         split_stage_layers(IS_STATE, 4, 9)
-
-
-# --------------------------------------------------------------------------- the demo
-
-HYBRID = ["--preset", "tiny-hybrid", "--prompt-tokens", "40"]
-
-
-def test_demo_hybrid_write_tp4_read_tp2(tmp_path):
-    from tests.helpers.demo_cli import demo_json
-
-    written = demo_json(
-        *HYBRID, "--store", str(tmp_path), "--phase", "write", "--writer-tp", "4", expect=0
-    )
-    assert written["write"]["kv_units_stored"] == 3 and written["write"]["state_units_stored"] == 1
-    read = demo_json(
-        *HYBRID, "--store", str(tmp_path), "--phase", "read", "--reader-tp", "2", expect=0
-    )
-    result = read["read"]
-    assert result["kv_blocks_from_files"] == 3 and result["state_units_from_files"] == 1
-    assert result["kv_bytes_wrong"] == 0 and result["state_bytes_wrong"] == 0
-    assert result["state_bytes_checked"] > 0 and read["verdict"] == "PASS"
-    # A flipped byte in the stored state: a miss, and the demo says FAIL (never wrong bytes).
-    state_dirs = [
-        d
-        for d in os.listdir(tmp_path)
-        if json.loads((tmp_path / d / "namespace.json").read_text()).get("unit_kind") == "state"
-    ]
-    [unit] = list(iter_unit_files(os.path.join(tmp_path, state_dirs[0])))
-    with open(unit.path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 1]))
-    failed = demo_json(
-        *HYBRID, "--store", str(tmp_path), "--phase", "read", "--reader-tp", "1", expect=1
-    )
-    assert failed["verdict"] == "FAIL" and failed["read"]["state_bytes_wrong"] == 0
-    assert any("state" in f for f in failed["failures"]), failed["failures"]
-
-
-def test_demo_hybrid_usage_errors(tmp_path):
-    from tests.helpers.demo_cli import assert_usage_error, run_demo
-
-    assert_usage_error(run_demo(*HYBRID), "--store DIR")
-    assert_usage_error(
-        run_demo(*HYBRID, "--store", str(tmp_path), "--writer-tp", "3"), "--writer-tp 3"
-    )
-    line = assert_usage_error(
-        run_demo(*HYBRID, "--store", str(tmp_path), "--reader-tp", "32"), "--reader-tp 32"
-    )
-    assert "cannot be resharded" in line
-    assert_usage_error(run_demo(*HYBRID, "--store", "redis://localhost:1/0"), "one directory")
 
 
 def test_state_units_through_redis_tp4_to_tp2(tmp_path):

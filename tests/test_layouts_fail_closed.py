@@ -168,6 +168,30 @@ def test_layer_spec_validation(kwargs: dict, message: str) -> None:
         LayerSpec(**args)
 
 
+@pytest.mark.parametrize(
+    ("packing", "order", "name", "want"),
+    [("packed", "HND", "order", "NHD"), ("split", "NHD", "packing", "packed")],
+)
+def test_mla_spec_has_one_spelling(packing: str, order: str, name: str, want: str) -> None:
+    """An MLA latent has one layout: another packing or order is refused up front (it was
+    accepted, derived a mapping equal to the packed NHD one, then make_plan refused every
+    MLA tensor), and the one accepted spelling plans the tensor from_tensor recognises."""
+    with pytest.raises(ValueError, match=rf"^{name}: expected '{want}' for attention='mla'"):
+        LayerSpec("mla", 16, 1, 64, "bfloat16", packing, order)
+    torch = pytest.importorskip("torch")
+    from canonical_ops import make_plan
+
+    latent = torch.zeros(4, 16, 64, dtype=torch.bfloat16)
+    spec = LayerSpec.from_tensor(
+        latent, attention="mla", block_size=16, num_kv_heads=1, head_size=64
+    )
+    assert spec == LayerSpec("mla", 16, 1, 64, "bfloat16", "packed", "NHD")
+    mapping = derive_layer_mapping(spec, RankContext(2, 1, 1))
+    make_plan(
+        [mapping], [latent], torch.zeros(4, mapping.canonical_page_size_bytes, dtype=torch.uint8)
+    )
+
+
 def test_rank_context_validation() -> None:
     with pytest.raises(
         ValueError, match=r"rank: expected an int in \[0, tp_size \* pcp_size = 4\)"

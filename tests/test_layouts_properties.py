@@ -38,6 +38,8 @@ def topologies(draw, attention: str, total_heads: int) -> Topology:
 
 def layer_spec(attention, packing, order, dtype, head_size, total_heads, topo) -> LayerSpec:
     heads = 1 if attention == "mla" else max(1, total_heads // topo.tp)
+    if attention == "mla":  # one layout (LayerSpec refuses other spellings)
+        packing, order = "packed", "NHD"
     return LayerSpec(
         attention, CANONICAL_TOKENS // topo.cp, heads, head_size, dtype, packing, order
     )

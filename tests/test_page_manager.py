@@ -12,23 +12,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from canonical_ops.engine.pages import (
-    PageCapacityError,
-    PageInfo,
-    PageManager,
-    PageStateError,
-)
+from canonical_ops.engine.pages import PageCapacityError, PageManager, PageStateError
 from layouts import LayerSpec, derive_group_mappings, opaque_fallback_mapping
 
 # --------------------------------------------------------------------------- helpers
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gqa(heads_per_rank: int = 1) -> LayerSpec:
@@ -68,8 +55,39 @@ def store_all(pm: PageManager, block_hashes) -> list[int]:
     return pages
 
 
+def check_invariants(pm: PageManager) -> None:
+    """The manager's bookkeeping agrees with itself (its private state, under its lock)."""
+    with pm._lock:
+        states = pm._state
+        assert states.count("free") == len(pm._free) == len(set(pm._free))
+        assert states.count("pending") == len(pm._pending)
+        assert states.count("ready") == pm._num_ready
+        assert len(pm._page_of) == len(pm._pending) + pm._num_ready
+        for block_hash, page in pm._page_of.items():
+            assert pm._hash_of[page] == block_hash and states[page] != "free"
+        for page, state in enumerate(states):
+            assert (pm._hash_of[page] is None) == (state == "free")
+            assert (page in pm._evictable) == (state == "ready" and not pm._refcount[page])
+            assert pm._refcount[page] >= 0 and (state == "ready" or not pm._refcount[page])
+            assert state == "free" or pm._generation[page] >= 1
+        for page, store in pm._pending.items():
+            assert store.filler is None or not store.writers
+            assert pm._writers[page] == store.writers
+        live = {page for *key, page in pm._heap if pm._evictable.get(page) == tuple(key)}
+        assert live == set(pm._evictable), "an evictable page has no live heap entry"
+        for page, key in pm._evictable.items():
+            assert key == pm._last_use[page]
+
+
+def page_view(pm: PageManager, page: int) -> tuple:
+    """Everything observable about one page."""
+    state = pm.state(page)
+    waiting = pm.pending_writers(page) if state == "pending" else None
+    return state, pm.hash_of(page), pm.refcount(page), pm.generation(page), waiting
+
+
 def snapshot(pm: PageManager):
-    return [pm.info(p) for p in range(pm.num_pages)], pm.num_free, pm.num_evictable
+    return [page_view(pm, p) for p in range(pm.num_pages)], pm.num_free, pm.num_evictable
 
 
 # --------------------------------------------------------------------------- construction
@@ -112,7 +130,7 @@ def test_from_mappings_validation():
         PageManager.from_mappings(4, [()])
     with pytest.raises(ValueError, match=r"layer_group_mappings\[1\]: expected 4 ranks"):
         PageManager.from_mappings(4, [gqa2_tp4(), mla_tp4()[:2]])
-    with pytest.raises(ValueError, match=r"layer_group_mappings\[0\]\[1\]"):
+    with pytest.raises(TypeError, match=r"layer_group_mappings\[0\]\[1\]"):
         PageManager.from_mappings(4, [(gqa2_tp4()[0], object())])
     # A layer where pages 1 mod 2 have no elected writer could never be complete.
     lonely = (mla_tp4(dcp=2)[0],) * 2  # both ranks are writer 0 of 2
@@ -323,7 +341,7 @@ def test_refcount_protects_pages_from_eviction():
     (d,) = pm.allocate(["d"])
     assert d == c  # a and b are older but pinned
     before = snapshot(pm)
-    with pytest.raises(PageCapacityError, match="0 free, 0 timed-out pending and 0 evictable"):
+    with pytest.raises(PageCapacityError, match="0 free and 0 evictable"):
         pm.allocate(["e"])
     assert snapshot(pm) == before
     pm.release([b])  # b evictable again, a still pinned
@@ -416,12 +434,18 @@ def test_complete_store_errors():
 
 def test_bad_writer_ranks_callable_is_reported_and_allocates_nothing():
     pm = PageManager(4, lambda p: frozenset() if p == 1 else frozenset({0}), num_ranks=2)
-    with pytest.raises(ValueError, match=r"writer_ranks\(1\): returned no rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"writer_ranks\(1\): expected a non-empty set of ranks in \[0, 2\), got frozenset\(\)",
+    ):
         pm.allocate(["a", "b"])
     assert pm.num_free == 4 and pm.page_of("a") is None
     pm = PageManager(4, lambda p: {p}, num_ranks=2)
     assert pm.allocate(["a", "b"]) == [0, 1]  # a plain set is accepted
-    with pytest.raises(ValueError, match=r"writer_ranks\(2\): ranks must be ints in \[0, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"writer_ranks\(2\): expected a non-empty set of ranks in \[0, 2\), got \{2\}",
+    ):
         pm.allocate(["c"])
     assert pm.num_free == 2
 
@@ -467,52 +491,40 @@ def test_fail_store_frees_pending_pages_only():
     assert pm.num_free + pm.num_pending + pm.num_ready == 4
 
 
-def test_reclaim_stale_dead_writer_page_is_never_ready():
-    clock = FakeClock(1000.0)
-    pm = PageManager.from_mappings(6, [gqa2_tp4()], clock=clock)
+def test_a_dead_writers_page_is_never_ready_and_fail_store_frees_it():
+    pm = PageManager.from_mappings(6, [gqa2_tp4()])
     dead, done = pm.allocate(["dead", "done"])  # pages 0 (ranks 0, 2), 1 (ranks 1, 3)
+    dead_generation = pm.generation(dead)
     report(pm, dead, 0)  # rank 2 is SIGKILLed before reporting
     report(pm, done, 1)
     report(pm, done, 3)
-    clock.t = 1005.0
     (young,) = pm.allocate(["young"])
     report(pm, young, 0)
     pm.acquire(["done"])
-
-    with pytest.raises(ValueError, match="max_age_s"):
-        pm.reclaim_stale(-1.0)
-    with pytest.raises(ValueError, match="max_age_s"):
-        pm.reclaim_stale(float("nan"))
-    with pytest.raises(TypeError, match="max_age_s"):
-        pm.reclaim_stale(True)
-    assert pm.reclaim_stale(10.0) == []  # now = clock() = 1005: nothing is 10 s old
-    assert pm.reclaim_stale(5.0, now=1005.0) == []  # exactly 5 s old is not "older"
-    assert pm.reclaim_stale(4.0) == [dead]
+    assert pm.lookup(["dead"]) == 0 and pm.state(dead) == "pending"
+    # The engine learns rank 2 died: it fails that rank's in-flight pages.
+    assert pm.fail_store([dead, done], generations=[dead_generation, 1]) == [dead]
     assert pm.state(dead) == "free" and pm.page_of("dead") is None
-    assert pm.lookup(["dead"]) == 0
     with pytest.raises(PageStateError):
         pm.acquire(["dead"])
+    with pytest.raises(PageStateError, match="not pending"):
+        pm.complete_store(dead, 2, generation=dead_generation)  # its report, at last
     # Other pages are untouched: the ready pinned page, the young pending one.
     assert pm.state(done) == "ready" and pm.refcount(done) == 1
     assert pm.state(young) == "pending" and pm.pending_writers(young) == frozenset({2})
-    # The reclaimed page is reusable, and the young store still completes.
     assert report(pm, young, 2) is True
-    assert pm.reclaim_stale(0.0, now=10_000.0) == []
     (reused,) = pm.allocate(["dead"])
-    assert pm.state(reused) == "pending"
-    assert pm.reclaim_stale(0.0, now=10_000.0) == [reused]
+    assert pm.state(reused) == "pending" and pm.generation(reused) == 1 + (reused == dead)
 
 
-def test_late_report_of_a_reclaimed_store_is_refused():
+def test_late_report_of_a_failed_store_is_refused():
     """A slow writer's report used to count toward the block its page was re-allocated to:
     the page turned ready although that writer never wrote the new block."""
-    clock = FakeClock(0.0)
-    pm = PageManager(1, num_ranks=2, clock=clock)
+    pm = PageManager(1, num_ranks=2)
     (page,) = pm.allocate(["old"])
     old_generation = pm.generation(page)
     assert pm.complete_store(page, 0, generation=old_generation) is False  # rank 1 is slow
-    clock.t = 100.0
-    assert pm.reclaim_stale(10.0) == [page]
+    assert pm.fail_store([page]) == [page]
     (again,) = pm.allocate(["new"])
     assert again == page and pm.generation(page) == old_generation + 1
     with pytest.raises(
@@ -525,69 +537,13 @@ def test_late_report_of_a_reclaimed_store_is_refused():
     assert pm.complete_store(page, 0, generation=2) is False
     assert pm.lookup(["new"]) == 0  # rank 1 has not written "new"
     assert pm.complete_store(page, 1, generation=2) is True
-    assert pm.info(page).generation == 2
-
-
-def test_pending_timeout_reclaims_dead_stores_when_capacity_is_short():
-    clock = FakeClock(0.0)
-    pm = PageManager(4, num_ranks=2, clock=clock, pending_timeout_s=30.0)
-    assert pm.pending_timeout_s == 30.0
-    dead = pm.allocate(["d0", "d1"])  # their writers die: nobody ever reports
-    generations = [pm.generation(p) for p in dead]
-    store_all(pm, ["r"])
-    clock.t = 20.0
-    before = snapshot(pm)
-    with pytest.raises(PageCapacityError) as info:
-        pm.allocate(["n1", "n2", "n3"])
-    assert (info.value.needed, info.value.free, info.value.evictable) == (3, 1, 1)
-    assert info.value.expired == 0 and snapshot(pm) == before  # nothing timed out yet
-    clock.t = 31.0
-    (fits,) = pm.allocate(["n0"])  # a free page is left: nothing is reclaimed for it
-    assert pm.num_pending == 3 and pm.page_of("d0") == dead[0]
-    pages = pm.allocate(["n1", "n2"])
-    assert sorted(pages) == sorted(dead)  # the dead stores' pages, not the ready "r"
-    assert pm.lookup(["r"]) == 1 and pm.page_of("d0") is None and pm.page_of("d1") is None
-    for page, generation in zip(dead, generations):
-        with pytest.raises(PageStateError, match="abandoned"):
-            pm.complete_store(page, 0, generation=generation)
-    assert pm.state(fits) == "pending"
-    pm.check_invariants()
-
-
-def test_pending_timeout_restores_a_requested_hash():
-    clock = FakeClock(0.0)
-    pm = PageManager(4, num_ranks=2, clock=clock, pending_timeout_s=30.0)
-    (first,) = pm.allocate(["h"])
-    clock.t = 30.0
-    assert pm.allocate(["h"]) == [None]  # 30 s is not "longer than" the timeout
-    clock.t = 30.5
-    (second,) = pm.allocate(["h"])  # its store timed out: store it again
-    assert second is not None and second != first
-    assert pm.state(first) == "free" and pm.generation(second) == 1
-    assert pm.page_of("h") == second
-    assert pm.reclaim_stale(now=61.0) == [second]  # the manager's timeout by default
-
-
-def test_pending_timeout_and_reclaim_validation():
-    for bad, error in ((0, ValueError), (-1.0, ValueError), (float("nan"), ValueError)):
-        with pytest.raises(error, match="pending_timeout_s"):
-            PageManager(2, pending_timeout_s=bad)
-    with pytest.raises(TypeError, match="pending_timeout_s"):
-        PageManager(2, pending_timeout_s="60")
-    pm = PageManager(2, pending_timeout_s=None)
-    assert pm.pending_timeout_s is None
-    with pytest.raises(ValueError, match=r"max_age_s: .*no pending_timeout_s"):
-        pm.reclaim_stale()
-    assert PageManager(2).pending_timeout_s == 60.0
-    assert PageManager.from_mappings(2, [mla_tp4()], pending_timeout_s=5.0).pending_timeout_s == 5
+    assert pm.generation(page) == 2
 
 
 def test_fail_store_with_generations_skips_reallocated_pages():
-    clock = FakeClock(0.0)
-    pm = PageManager(2, num_ranks=2, clock=clock)
+    pm = PageManager(2, num_ranks=2)
     old, other = pm.allocate(["old", "other"])
-    clock.t = 100.0
-    assert pm.reclaim_stale(10.0) == sorted([old, other])
+    assert pm.fail_store([old, other]) == [old, other]
     (new,) = pm.allocate(["new"])
     assert new == old
     with pytest.raises(PageStateError, match="generations: expected one per page id"):
@@ -601,17 +557,17 @@ def test_a_fill_turns_ready_only_when_its_tier_reports_it():
     pm = PageManager(4, num_ranks=2)
     [page] = pm.allocate([b"h"], filler="files")
     generation = pm.generation(page)
-    assert pm.state(page) == "pending" and pm.info(page).filler == "files"
-    assert pm.pending_writers(page) == frozenset() and pm.num_filling == 1
+    assert pm.state(page) == "pending" and pm.num_filling == 1
+    assert pm.pending_writers(page) == frozenset() and pm.writer_ranks(page) == frozenset()
     assert pm.lookup([b"h"]) == 0  # never served while its unit is being read
     with pytest.raises(PageStateError, match="being filled by tier 'files'"):
         pm.complete_store(page, 0, generation=generation)
     assert pm.allocate([b"h"]) == [None]  # the block is on its way: no second fill or store
     pm.complete_fill(page, generation=generation)
-    assert pm.lookup([b"h"]) == 1 and pm.info(page).filler is None and pm.num_filling == 0
+    assert pm.lookup([b"h"]) == 1 and pm.num_filling == 0
     with pytest.raises(PageStateError, match="not being filled"):
         pm.complete_fill(page, generation=generation)
-    pm.check_invariants()
+    check_invariants(pm)
 
 
 def test_a_failed_fill_is_a_miss_and_the_page_free_again():
@@ -628,42 +584,38 @@ def test_a_failed_fill_is_a_miss_and_the_page_free_again():
     assert again == pages[0] and pm.generation(again) == generations[0] + 1
     with pytest.raises(PageStateError, match="not being filled"):
         pm.fail_fill(again, generation=pm.generation(again))  # a rank store, not a fill
-    pm.check_invariants()
+    check_invariants(pm)
 
 
-def test_fills_are_never_reclaimed_by_timeouts_or_fail_store():
+def test_fills_are_never_ended_by_fail_store():
     """The fill's I/O may still write into the row: only its own report ends it."""
-    clock = FakeClock(0.0)
-    pm = PageManager(2, clock=clock, pending_timeout_s=1.0)
+    pm = PageManager(2)
     [fill] = pm.allocate([b"f"], filler="files")
     [store] = pm.allocate([b"s"])
-    clock.t = 100.0
-    assert pm.reclaim_stale() == [store]
-    assert pm.fail_store([fill]) == [] and pm.state(fill) == "pending"
-    [store] = pm.allocate([b"s2"])
-    clock.t = 200.0
-    with pytest.raises(PageCapacityError):  # the timed-out store is reclaimed, never the fill
+    assert pm.fail_store([fill, store]) == [store]
+    assert pm.state(fill) == "pending"
+    with pytest.raises(PageCapacityError):  # the fill's page is never taken
         pm.allocate([b"x", b"y"])
     assert pm.allocate([b"x"]) == [store] and pm.state(fill) == "pending"
-    assert pm.allocate([b"f"]) == [None]  # a requested hash being filled is not restored
+    assert pm.allocate([b"f"]) == [None]  # on its way: no second fill or store
     pm.complete_fill(fill, generation=pm.generation(fill))
     assert pm.lookup([b"f"]) == 1
     with pytest.raises(TypeError, match="filler"):
         pm.allocate([b"z"], filler="")
-    pm.check_invariants()
+    check_invariants(pm)
 
 
 def test_introspection():
     pm = PageManager.from_mappings(3, [mla_tp4()])
     assert pm.num_pages == 3 and pm.num_ranks == 4
     (page,) = pm.allocate([42])
-    assert pm.info(page) == PageInfo(page, "pending", 42, 0, frozenset({0}), frozenset({0}), 1)
-    assert pm.info(2) == PageInfo(2, "free", None, 0, frozenset(), frozenset(), 0)
-    assert pm.generation(page) == 1 and pm.generation(2) == 0
+    assert page_view(pm, page) == ("pending", 42, 0, 1, frozenset({0}))
+    assert page_view(pm, 2) == ("free", None, 0, 0, None)
+    assert pm.writer_ranks(page) == frozenset({0})
     assert pm.writer_ranks(2) == frozenset({2})  # a free page reports its future writers
     report(pm, page, 0)
     pm.acquire([42])
-    assert pm.info(page) == PageInfo(page, "ready", 42, 1, frozenset({0}), frozenset(), 1)
+    assert page_view(pm, page) == ("ready", 42, 1, 1, None)
     assert pm.page_of(42) == page and pm.page_of(43) is None
     with pytest.raises(PageStateError, match=r"page_id: expected an int in \[0, 2\], got 3"):
         pm.state(3)
@@ -671,7 +623,7 @@ def test_introspection():
         pm.generation(3)
     with pytest.raises(PageStateError, match="page_id"):
         pm.hash_of(-1)
-    pm.check_invariants()
+    check_invariants(pm)
 
 
 # --------------------------------------------------------------------------- random operations
@@ -690,21 +642,12 @@ class PageManagerMachine(RuleBasedStateMachine):
     """
 
     NUM_PAGES = 6
-    TIMEOUT = 5.0
     HASHES = st.integers(0, 11)
 
     @initialize()
     def setup(self):
-        self.clock = FakeClock(0.0)
-        self.pm = PageManager(
-            self.NUM_PAGES,
-            _writers,
-            num_ranks=3,
-            clock=self.clock,
-            pending_timeout_s=self.TIMEOUT,
-        )
-        # page -> (hash, ranks reported, allocated at); in allocation order.
-        self.pending: dict[int, tuple[int, set[int], float]] = {}
+        self.pm = PageManager(self.NUM_PAGES, _writers, num_ranks=3)
+        self.pending: dict[int, tuple[int, set[int]]] = {}  # page -> (hash, ranks reported)
         self.fills: set[int] = set()  # pending pages filled by a tier (no writer ranks)
         self.ready: dict[int, int] = {}  # page -> hash
         self.generation: Counter[int] = Counter()
@@ -715,13 +658,8 @@ class PageManagerMachine(RuleBasedStateMachine):
 
     def _hash_page(self) -> dict[int, int]:
         out = {h: p for p, h in self.ready.items()}
-        out.update({h: p for p, (h, _, _) in self.pending.items()})
+        out.update({h: p for p, (h, _) in self.pending.items()})
         return out
-
-    def _timed_out(self, page: int) -> bool:
-        if page in self.fills:  # a fill ends only by its job's report
-            return False
-        return self.clock.t - self.pending[page][2] > self.TIMEOUT
 
     def _drop_pending(self, page: int) -> None:
         del self.pending[page]
@@ -730,34 +668,21 @@ class PageManagerMachine(RuleBasedStateMachine):
     @rule(hashes=st.lists(HASHES, max_size=5), fill=st.booleans(), data=st.data())
     def allocate(self, hashes, fill, data):
         present = self._hash_page()
-        new, restored, seen = [], [], set()
+        new, seen = [], set()
         for i, h in enumerate(hashes):
-            if h in seen:
-                continue
+            if h not in seen and h not in present:
+                new.append(i)
             seen.add(h)
-            if h in present:
-                if present[h] not in self.pending or not self._timed_out(present[h]):
-                    continue
-                restored.append(present[h])
-            new.append(i)
         free = [p for p in range(self.NUM_PAGES) if p not in self.pending and p not in self.ready]
-        reclaimed = restored
-        if len(new) > len(free) + len(restored):
-            reclaimed = [p for p in self.pending if self._timed_out(p)]
-        protected = {present[h] for h in hashes if h in present} - set(reclaimed)
+        protected = {present[h] for h in hashes if h in present}
         candidates = sorted(self.evictable - protected, key=lambda p: (*self.last_use[p], p))
-        wanted = len(new) - len(free) - len(reclaimed)
+        wanted = len(new) - len(free)
         before = snapshot(self.pm)
         if wanted > len(candidates):
             with pytest.raises(PageCapacityError) as info:
                 self.pm.allocate(hashes, filler="files" if fill else None)
             err = info.value
-            assert (err.needed, err.free, err.evictable, err.expired) == (
-                len(new),
-                len(free),
-                len(candidates),
-                len(reclaimed),
-            )
+            assert (err.needed, err.free, err.evictable) == (len(new), len(free), len(candidates))
             assert snapshot(self.pm) == before
             return
         out = self.pm.allocate(hashes, filler="files" if fill else None)
@@ -767,11 +692,8 @@ class PageManagerMachine(RuleBasedStateMachine):
         victims = candidates[: max(0, wanted)]
         if len(new) <= len(free):
             assert set(got) <= set(free)
-        else:  # every free page, then the oldest timed-out stores' pages, then LRU victims
-            taken = reclaimed[: len(new) - len(free)]
-            assert set(got) == set(free) | set(taken) | set(victims)
-        for page in reclaimed:
-            self._drop_pending(page)
+        else:  # every free page, then the LRU victims
+            assert set(got) == set(free) | set(victims)
         for page in victims:
             assert self.pins[page] == 0
             del self.ready[page]
@@ -779,7 +701,7 @@ class PageManagerMachine(RuleBasedStateMachine):
         if new:
             self.calls += 1
         for i, page in zip(new, got):
-            self.pending[page] = (hashes[i], set(), self.clock.t)
+            self.pending[page] = (hashes[i], set())
             if fill:
                 self.fills.add(page)
             self.generation[page] += 1
@@ -804,7 +726,7 @@ class PageManagerMachine(RuleBasedStateMachine):
                 self.pm.complete_store(page, rank, generation=generation)
             assert snapshot(self.pm) == before
             return
-        h, done, _ = entry
+        h, done = entry
         done.add(rank)
         became_ready = self.pm.complete_store(page, rank, generation=generation)
         assert became_ready == (done == _writers(page))
@@ -814,7 +736,7 @@ class PageManagerMachine(RuleBasedStateMachine):
             self.evictable.add(page)  # as recent as its allocation
 
     def _complete_every_writer(self, page, data):
-        h, done, _ = self.pending[page]
+        h, done = self.pending[page]
         ranks = data.draw(st.permutations(sorted(_writers(page) - done)), label="ranks")
         for count, rank in enumerate(ranks, 1):
             became_ready = self.pm.complete_store(page, rank, generation=self.generation[page])
@@ -843,7 +765,7 @@ class PageManagerMachine(RuleBasedStateMachine):
                 report(page, generation=generation)
             assert snapshot(self.pm) == before
             return
-        h, _, _ = self.pending[page]
+        h, _ = self.pending[page]
         report(page, generation=generation)
         self._drop_pending(page)
         if ok:
@@ -861,22 +783,6 @@ class PageManagerMachine(RuleBasedStateMachine):
         assert self.pm.fail_store(pages, generations=generations) == expected
         for page in expected:
             self._drop_pending(page)
-
-    @rule(dt=st.floats(0.0, 3.0), max_age=st.floats(0.0, 20.0))
-    def reclaim(self, dt, max_age):
-        self.clock.t += dt
-        expected = sorted(
-            p
-            for p, (_, _, t) in self.pending.items()
-            if self.clock.t - t > max_age and p not in self.fills
-        )
-        assert self.pm.reclaim_stale(max_age) == expected
-        for page in expected:
-            self._drop_pending(page)
-
-    @rule(dt=st.floats(0.0, 4.0))
-    def wait(self, dt):
-        self.clock.t += dt
 
     @rule(hashes=st.lists(HASHES, max_size=4))
     def lookup(self, hashes):
@@ -934,21 +840,19 @@ class PageManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         pm = self.pm
-        pm.check_invariants()
+        check_invariants(pm)
         assert pm.num_free + pm.num_pending + pm.num_ready == self.NUM_PAGES
         assert pm.num_pending == len(self.pending) and pm.num_ready == len(self.ready)
         assert pm.num_filling == len(self.fills)
         for page, h in self.ready.items():  # pinned pages included: never evicted
             assert pm.state(page) == "ready" and pm.hash_of(page) == h and pm.page_of(h) == page
             assert pm.refcount(page) == self.pins[page]
-        for page, (h, done, _) in self.pending.items():
+        for page, (h, done) in self.pending.items():
             assert pm.state(page) == "pending" and pm.page_of(h) == page
             if page in self.fills:
-                assert pm.pending_writers(page) == frozenset()
-                assert pm.info(page).filler == "files"
+                assert pm.pending_writers(page) == pm.writer_ranks(page) == frozenset()
             else:
                 assert pm.pending_writers(page) == _writers(page) - done
-                assert pm.info(page).filler is None
         for page in range(self.NUM_PAGES):
             assert pm.generation(page) == self.generation[page]
             if page not in self.ready and page not in self.pending:
@@ -996,7 +900,7 @@ def test_concurrent_completions_from_worker_threads():
                 held = pm.acquire(hashes[:n])
                 assert all(pm.state(p) == "ready" for p in held)
                 pm.release(held)
-                pm.check_invariants()
+                check_invariants(pm)
         except BaseException as error:  # pragma: no cover - reported below
             errors.append(error)
 
@@ -1010,7 +914,7 @@ def test_concurrent_completions_from_worker_threads():
     all_ready = sorted(p for per_rank in made_ready for p in per_rank)
     assert all_ready == sorted(pages)  # each page turned ready exactly once
     assert pm.num_ready == num_pages and pm.lookup(hashes) == num_pages
-    pm.check_invariants()
+    check_invariants(pm)
 
 
 def test_racing_duplicate_reports_succeed_exactly_once():
@@ -1041,4 +945,4 @@ def test_racing_duplicate_reports_succeed_exactly_once():
     assert accepted == Counter({(p, r): 1 for p in pages for r in (0, 1)})
     assert sum(1 for _, _, became in results if became) == 64
     assert pm.num_ready == 64
-    pm.check_invariants()
+    check_invariants(pm)

@@ -1,6 +1,6 @@
 """The Redis tier on a real 3-node Redis Cluster (redis-py's RedisCluster client).
 
-Block keys hash to slots all over the cluster; one block's unit, chunks and
+Block keys hash to slots all over the cluster; one block's units and
 index share a hash tag, hence a node. A batch is one cluster pipeline (one
 round trip per node, sent together) however many slots it touches.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis
-from helpers.redis_server import RedisBinaryMissing, RedisClusterNodes, redis_binaries
+from helpers.redis_server import RedisClusterNodes
 from helpers.store import row, small_namespace
 
 from canonical_ops.units import RedisStore, RedisStoreError
@@ -21,10 +21,6 @@ LAYERS = NS.num_layers
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    try:
-        redis_binaries()
-    except RedisBinaryMissing as error:
-        pytest.fail(str(error))
     nodes = RedisClusterNodes(str(tmp_path_factory.mktemp("cluster")), password="cluster-pw")
     nodes.start()
     try:
@@ -64,7 +60,8 @@ def test_cluster_batches_spread_over_nodes_bit_exact(flushed) -> None:
         assert job.ok, job.detail
         assert store.metrics().round_trips == before + 1
         counts = keys_per_node(flushed)
-        assert all(c > 0 for c in counts) and sum(counts) == 2 * 48  # unit + index each
+        # unit + index each, and the namespace's description
+        assert all(c > 0 for c in counts) and sum(counts) == 2 * 48 + 1
         assert store.lookup(keys, 0, LAYERS) == 48
         outs = [np.zeros(NS.total_bytes, np.uint8) for _ in keys]
         job = store.loads([(k, 0, LAYERS, o) for k, o in zip(keys, outs)])
@@ -80,7 +77,7 @@ def test_cluster_batches_spread_over_nodes_bit_exact(flushed) -> None:
 
 
 @pytest.mark.slow
-def test_cluster_cross_split_and_chunked(flushed) -> None:
+def test_cluster_cross_split_and_units_above_max_value_bytes(flushed) -> None:
     with RedisStore(url(flushed, "redis"), NS, cluster=True, max_value_bytes=4096) as store:
         items = []
         for i in range(12):
@@ -92,12 +89,11 @@ def test_cluster_cross_split_and_chunked(flushed) -> None:
         assert job.ok, job.detail
         for i in range(12):
             assert np.array_equal(outs[i], row(NS, i, 8, 24))
-        # A chunk damaged on whatever node holds it: a miss, counted, removed.
-        target = store.unit_key(3, 0, 16)
+        # [0, 16) went out as [0, 7), [7, 14), [14, 16) (4096-byte values); one of them
+        # damaged on whatever node holds it: a miss, counted, removed.
+        target = store.unit_key(3, 7, 14)
         node = next(n for n in flushed.nodes if n.client().exists(target))
-        manifest = node.client().get(target)
-        chunk = store.chunk_keys(3, 0, 16, manifest[-8:], 3)[1]
-        node.client().setrange(chunk, 5, b"\x00\x01")
+        node.client().setrange(target, 200, b"\x00\x01")
         out = np.zeros(NS.layer_bytes(0, 16), np.uint8)
         job = store.load(3, 0, 16, out)
         assert job.status == "miss" and "corrupt" in job.detail

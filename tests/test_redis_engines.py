@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.demo_cli import ROOT, assert_usage_error, demo_json, run_demo
+from helpers.demo_cli import ROOT, assert_usage_error, demo_json, prompt_keys, run_demo
 from helpers.redis_server import (
     RedisBinaryMissing,
     RedisClusterNodes,
@@ -31,7 +31,6 @@ from helpers.redis_server import (
 )
 from helpers.store import row, small_namespace
 
-from canonical_ops import demo as demo_module
 from canonical_ops.engine import PageManager, StageCache
 from canonical_ops.units import RedisStore
 from canonical_ops.units.files import key_digest
@@ -85,10 +84,9 @@ def assert_read_passed(summary: dict, blocks: int = BLOCKS) -> None:
 
 def unit_keys(srv: RedisServer, prompt=PROMPT) -> dict[int, list[bytes]]:
     """Block index -> the server keys of that block's units (not its index)."""
-    cfg = demo_module.build_config(demo_module.build_parser().parse_args(list(prompt)), "cpu")
     client = srv.client()
     out = {}
-    for block, block_hash in enumerate(demo_module.block_hashes(cfg)):
+    for block, block_hash in enumerate(prompt_keys(*prompt)):
         keys = client.keys(f"*{key_digest(block_hash)}*")
         out[block] = sorted(k for k in keys if not k.endswith(b":idx"))
     return out
@@ -308,9 +306,9 @@ def test_one_engine_keeps_serving_across_a_server_crash_and_recovers(server):
         other = StageCache(
             other_manager, other_rows, (0, ns.num_layers), ns, [store], names=["redis"]
         )
-        lookup = other.lookup(hashes)
+        lookup = other.lookup(hashes, timeout=10)
         assert lookup.in_region == 0 and lookup.from_tiers == 0  # down: nothing, no raise
-        other.fetch(hashes[:3])  # forced: the loads fail, pages freed again
+        other.fetch(hashes[:3], timeout=10)  # forced: the loads fail, pages freed again
         other.drain(10)
         assert other_manager.lookup(hashes) == 0 and other_manager.num_filling == 0
         assert (other_rows == 0xA5).all() or other.metrics().tiers[0].fills_ok == 0
@@ -325,7 +323,7 @@ def test_one_engine_keeps_serving_across_a_server_crash_and_recovers(server):
                 break
             assert time.monotonic() < deadline, cache.metrics()
             time.sleep(0.2)
-        lookup = other.lookup(hashes)
+        lookup = other.lookup(hashes, timeout=10)
         assert lookup.from_tiers == len(hashes)
         other.fetch(hashes, lookup)
         other.drain(10)
@@ -339,26 +337,71 @@ def test_one_engine_keeps_serving_across_a_server_crash_and_recovers(server):
 # ---------------------------------------------------------------------- start-up errors
 
 
-def test_a_wrong_password_is_a_one_line_error_at_start_up(tmp_path):
+def test_a_wrong_or_missing_password_is_a_one_line_error_at_start_up(tmp_path):
+    """A wrong password names authentication; a missing one (issue 26: Redis's raw `HELLO
+    must be called ...`) says the server requires one and where to put it."""
     srv = new_server(tmp_path / "redis", password="right-pw")
     try:
-        for shown in (srv.url_for(None, "wrong-pw"), srv.url_for("nobody", "wrong-pw")):
-            result = run_demo(*PROMPT, "--store", f"{shown}/0", "--phase", "write")
-            line = assert_usage_error(result, "--store redis://***@127.0.0.1", "authentication")
+        for user in (None, "nobody"):
+            result = run_demo(*PROMPT, "--store", f"{srv.url_for(user, 'wrong-pw')}/0")
+            shown = f"--store redis://{user + ':' if user else ''}***@127.0.0.1"
+            line = assert_usage_error(result, shown, "authentication")
             assert "wrong-pw" not in line  # the password is never printed
         result = run_demo(*PROMPT, "--store", url(srv), "--phase", "read")
-        assert_usage_error(result, "--store redis://127.0.0.1", "authentication")
+        line = assert_usage_error(result, "--store redis://127.0.0.1", "requires a password")
+        assert "HELLO" not in line and "put it in the URL" in line
         # the right one works
         assert_read_passed(engine("both", f"{srv.url_for(None, 'right-pw')}/0", expect=0))
     finally:
         srv.stop()
 
 
+def test_a_password_with_url_characters_is_never_printed(tmp_path):
+    """Issue 26: an unencoded `/`, `#` or `?` in the password printed it whole (the demo's
+    own redaction stopped at the `/`) in the header, the JSON and the errors."""
+    password = "se/cr#et?x"
+    srv = new_server(tmp_path / "redis", password=password)
+    try:
+        address = f"redis://:{password}@127.0.0.1:{srv.port}/0"
+        summary = engine("both", address, expect=0)
+        assert_read_passed(summary)
+        assert summary["stores"] == [f"redis://***@127.0.0.1:{srv.port}/0"]
+        text = json.dumps(summary) + summary["_stderr"]
+        for piece in (password, "cr#et", "et?x"):
+            assert piece not in text, piece
+        human = run_demo(*PROMPT, "--store", address, "--phase", "read")
+        assert human.returncode == 0 and "cr#et" not in human.stdout + human.stderr
+    finally:
+        srv.stop()
+
+
 def test_an_unreachable_server_is_a_one_line_error_at_start_up(tmp_path):
+    """Issue 26: the message recommended `require_server=False`, a Python argument no flag
+    sets; it says what to do instead."""
     srv = new_server(tmp_path / "redis")
     address = url(srv)
     srv.stop()
-    assert_usage_error(run_demo(*PROMPT, "--store", address, "--phase", "read"), "--store redis://")
+    result = run_demo(*PROMPT, "--store", address, "--phase", "read")
+    line = assert_usage_error(result, f"--store {address}", "start the server")
+    assert "require_server" not in line
+
+
+def test_a_hybrid_model_shares_kv_and_state_through_one_server(server, tmp_path):
+    """Issue 24: the hybrid presets refused Redis (one directory only); through the same
+    engines they share attention pages AND the request's state through a server, and the
+    two-tier read keeps both in the node's files."""
+    hybrid = ["--preset", "tiny-hybrid", "--prompt-tokens", "40"]  # 3 blocks
+    w = engine("write", url(server), args=["--writer-tp", "4"], prompt=hybrid, expect=0)
+    assert w["persist"]["units_ok"] == 3 and w["state"]["units_persisted"] == 1
+    local = tmp_path / "node-b"
+    r = engine("read", str(local), url(server), args=["--reader-tp", "2"], prompt=hybrid, expect=0)
+    assert_read_passed(r, 3)
+    assert r["fill"]["pages_by_tier"] == {"files": 0, "redis": 3}
+    assert r["state"]["units_filled"] == 1 and r["state"]["bytes_wrong"] == 0
+    assert r["promote"]["units_ok"] == 3
+    again = engine("read", str(local), args=["--reader-tp", "1"], prompt=hybrid, expect=0)
+    assert again["fill"]["pages_by_tier"] == {"files": 3}  # KV and state promoted to the files
+    assert again["state"]["units_filled"] == 1 and again["state"]["bytes_checked"] > 0
 
 
 @pytest.mark.parametrize(

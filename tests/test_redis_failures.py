@@ -8,14 +8,15 @@ the server answers again on the same port.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
-from helpers.redis_server import RedisBinaryMissing, RedisServer, free_port, redis_binaries
+from helpers.redis_server import RedisServer, free_port
 from helpers.store import row, small_namespace
 
-from canonical_ops.units import RedisStore
+from canonical_ops.units import JobPool, RedisStore
 from canonical_ops.units.redis_store import _Breaker
 
 NS = small_namespace(32)
@@ -37,10 +38,6 @@ JOB_BOUND_S = (FAST["retries"] + 1) * FAST["socket_timeout_s"] + 0.5 + 1.0  # + 
 
 @pytest.fixture
 def server(tmp_path):
-    try:
-        redis_binaries()
-    except RedisBinaryMissing as error:
-        pytest.fail(str(error))
     srv = RedisServer(str(tmp_path / "redis")).start()
     try:
         yield srv
@@ -150,10 +147,6 @@ def test_hung_server_is_bounded_by_the_timeouts(server) -> None:
 
 
 def test_unreachable_at_start_up_can_start_degraded_and_recover(tmp_path) -> None:
-    try:
-        redis_binaries()
-    except RedisBinaryMissing as error:
-        pytest.fail(str(error))
     port = free_port()
     url = f"redis://127.0.0.1:{port}"
     with pytest.warns(RuntimeWarning, match=f"no server reachable at .*:{port}"):
@@ -190,3 +183,45 @@ def test_breaker_opens_backs_off_probes_once_and_closes() -> None:
     breaker.success()
     assert breaker.closed and breaker.allow() and breaker.allow()
     assert breaker.skips == 3 and breaker.opens == 1
+
+
+# ---------------------------------------------------------------------- the pool's deadline
+
+
+def wait_thread_gone(name: str, timeout: float = 10.0) -> None:
+    """Until the pool thread ``name`` (abandoned by the watchdog) has run to its end."""
+    deadline = time.monotonic() + timeout
+    while any(t.name == name for t in threading.enumerate()):
+        assert time.monotonic() < deadline, f"{name} still running"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["load", "store"])
+def test_a_stuck_job_expires_at_the_deadline_and_never_writes_late(server, kind) -> None:
+    pool = JobPool(1, 4, name="ckv-dl", deadline_s=0.4)
+    admin = server.client()
+    try:
+        # Socket timeouts far longer than the deadline: only the deadline ends the job.
+        with RedisStore(server.url, NS, pool=pool, socket_timeout_s=10, retries=0) as store:
+            assert store.store(b"k", 0, row(NS, 1), 0).ok
+            sentinel = np.full(NS.total_bytes, 0xA5, np.uint8)
+            out = sentinel.copy()
+            server.pause()
+            store._connection.close()  # a fresh connection: its handshake waits too
+            started = time.perf_counter()
+            if kind == "load":
+                job = store.submit_load(b"k", 0, LAYERS, out)
+            else:
+                job = store.submit_store(b"late", 0, row(NS, 2), 0)
+            store.wait(job, timeout=5)
+            assert job.status == "expired" and time.perf_counter() - started < 0.4 + 1.0
+            server.resume()  # the abandoned thread gets its replies now, and must stop there
+            wait_thread_gone("ckv-dl-0")
+            assert np.array_equal(out, sentinel)  # no byte written after the job expired
+            assert admin.exists(store.unit_key(b"late", 0, LAYERS)) == 0  # nothing published
+            assert pool.stats().expired == 1
+            job = store.wait(store.submit_load(b"k", 0, LAYERS, out), timeout=10)
+            assert job.ok and np.array_equal(out, row(NS, 1))  # the new thread serves
+    finally:
+        server.resume()
+        pool.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.redis_server import RedisBinaryMissing, RedisServer, make_tls_files, redis_binaries
+from helpers.redis_server import RedisServer, make_tls_files
 from helpers.store import row, small_namespace
 
 from canonical_ops.units import RedisStore, RedisStoreError
@@ -18,10 +18,6 @@ NS = small_namespace(32)
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory):
-    try:
-        redis_binaries()
-    except RedisBinaryMissing as error:
-        pytest.fail(str(error))
     tls = make_tls_files(str(tmp_path_factory.mktemp("tls")))
     srv = RedisServer(str(tmp_path_factory.mktemp("redis-tls")), tls=tls, password="tls-pw")
     srv.start()

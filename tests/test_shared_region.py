@@ -1,4 +1,4 @@
-"""SharedOffloadRegion: create/attach races, unlink-after-attach, stale files, views.
+"""SharedOffloadRegion: rank 0 creates, the others attach; unlink-after-attach, stale files, views.
 
 Multi-rank tests use real processes (multiprocessing "forkserver" with torch
 preloaded, so each rank starts in milliseconds) and the real /dev/shm.
@@ -11,19 +11,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import importlib
 import os
-import struct
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+
+from canonical_ops.units.liveness import this_process
 
 _MODULE_NAME = "canonical_ops.engine.region"
 
@@ -35,7 +37,6 @@ def _load_module() -> Any:
 sr = _load_module()
 SharedOffloadRegion = sr.SharedOffloadRegion
 RegionSpaceError = sr.RegionSpaceError
-RegionClosedError = sr.RegionClosedError
 
 SHM = "/dev/shm"
 REPLY_TIMEOUT_S = 60.0
@@ -133,6 +134,15 @@ def engine() -> Iterator[str]:
     assert not leaked, f"test left {path} behind"
 
 
+@pytest.fixture
+def planted(engine: str) -> Iterator[str]:
+    """The region path of ``engine``, for a file the test plants there; removed afterwards."""
+    path = sr.region_path(engine, SHM)
+    yield path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _kwargs(engine_id: str, rank: int, world_size: int, **extra: Any) -> dict[str, Any]:
     base = dict(
         engine_id=engine_id,
@@ -160,24 +170,12 @@ def _dead_pid() -> int:
 def _write_header(
     path: str, *, pid: int, state: int, num_rows: int = 8, row_bytes: int = 4096 + 24
 ) -> int:
-    """A region header as a creator would have written it; returns the fd (0600)."""
+    """A region header as a rank 0 process ``pid`` would have written it; returns the fd."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    raw = struct.pack(
-        "<8sIIQQIIqQQI4x16s",
-        sr.MAGIC,
-        sr.FORMAT_VERSION,
-        sr.HEADER_BYTES,
-        num_rows,
-        row_bytes,
-        2,
-        state,
-        pid,
-        0,
-        0,
-        1,
-        b"\0" * 16,
-    )
-    os.pwrite(fd, raw.ljust(sr.HEADER_BYTES, b"\0"), 0)
+    creator = (this_process()[0], pid, 0)
+    digest = hashlib.sha256(os.path.basename(path)[len(sr.FILE_PREFIX) :].encode()).digest()
+    header = sr._Header(num_rows, row_bytes, 2, creator, digest[:16], bytearray([1, 0]), state)
+    header.write(fd)
     os.ftruncate(fd, sr.HEADER_BYTES + num_rows * row_bytes)
     return fd
 
@@ -206,13 +204,13 @@ def test_two_processes_see_each_others_writes(ctx: Any, ranks: list[Rank], engin
     assert first.call("close") == ("closed",)
 
 
-def test_four_concurrent_ranks_one_creator(ctx: Any, ranks: list[Rank], engine: str) -> None:
+def test_ranks_started_before_rank_0_wait_for_it(ctx: Any, ranks: list[Rank], engine: str) -> None:
     world = 4
-    barrier = ctx.Barrier(world)
-    for rank in range(world):
-        ranks.append(Rank(ctx, _kwargs(engine, rank, world), barrier))
-    creators = [r.attached() for r in ranks]
-    assert creators.count(True) == 1, creators
+    for rank in (3, 1, 2):
+        ranks.append(Rank(ctx, _kwargs(engine, rank, world)))
+    time.sleep(0.3)  # they poll for a file that is not there yet
+    ranks.append(Rank(ctx, _kwargs(engine, 0, world)))
+    assert [r.attached() for r in ranks] == [False, False, False, True]
     assert not os.path.exists(sr.region_path(engine, SHM))
     for i, r in enumerate(ranks):
         assert r.call("write", i, i, 10 + i) == ("ok",)
@@ -239,102 +237,56 @@ def test_rank_sigkilled_after_attach(ctx: Any, ranks: list[Rank], engine: str) -
     assert last.call("read", 5, 5) == ("value", 55)
 
 
-def test_creator_sigkilled_before_all_attached_is_stale(
+def test_writers_leave_before_the_readers_come_while_rank_0_holds_it(
+    ctx: Any, ranks: list[Rank], engine: str
+) -> None:
+    """The demo's pattern: rank 0 (the coordinator) holds the region, writer ranks attach,
+    write and exit, reader ranks attach later and find the data."""
+    path = sr.region_path(engine, SHM)
+    with _region(engine, 0, 4) as coordinator:
+        for rank in (1, 2):
+            writer = Rank(ctx, _kwargs(engine, rank, 4))
+            ranks.append(writer)
+            assert writer.attached() is False
+            assert writer.call("write", rank, 9, rank) == ("ok",)
+            assert writer.call("close") == ("closed",)
+            writer.stop()
+        assert os.path.exists(path)  # rank 3 still to come
+        reader = Rank(ctx, _kwargs(engine, 3, 4))
+        ranks.append(reader)
+        assert reader.attached() is False
+        assert [reader.call("read", row, 9) for row in (1, 2)] == [("value", 1), ("value", 2)]
+        assert not os.path.exists(path)
+        assert int(coordinator.tensor[2, 9]) == 2
+
+
+def test_rank_0_sigkilled_before_all_attached_is_a_crashed_run(
     ctx: Any, ranks: list[Rank], engine: str
 ) -> None:
     path = sr.region_path(engine, SHM)
     creator = Rank(ctx, _kwargs(engine, 0, 2))
     ranks.append(creator)
     assert creator.attached()
+    assert creator.call("write", 1, 1, 7) == ("ok",)
     creator.kill()
     assert os.path.exists(path)  # the crash case: never fully attached
-    # A restarted run (even with another geometry) replaces the stale file.
-    with _region(engine, 1, 2, num_rows=3) as region:
-        assert region.is_creator
+    with pytest.raises(TimeoutError, match="crashed run"):
+        _region(engine, 1, 2, attach_timeout_s=0.2)  # never the dead run's data
+    # A restarted rank 0 (even with another geometry) replaces the file at once.
+    with _region(engine, 0, 2, num_rows=3) as region:
+        assert region.is_creator and int(region.tensor[1, 1]) == 0
         assert region.tensor.shape == (3, 4096 + 24)
-        assert os.path.exists(path)
-    # Closed before rank 0 came: a closed marker is left for it.
-    assert os.path.getsize(path) == sr.HEADER_BYTES
-    assert SharedOffloadRegion.remove_closed_marker(engine)
-    assert not os.path.exists(path)
-
-
-def test_region_outlives_its_creator_while_a_rank_holds_it(
-    ctx: Any, ranks: list[Rank], engine: str
-) -> None:
-    """The creator's close used to unlink the file: rank 2, arriving after the creator
-    exited, became the creator of a new, empty region and rank 0's data was gone."""
-    path = sr.region_path(engine, SHM)
-    creator = Rank(ctx, _kwargs(engine, 0, 3))
-    ranks.append(creator)
-    assert creator.attached()
-    assert creator.call("write", 1, 7, 42) == ("ok",)
-    holder = Rank(ctx, _kwargs(engine, 1, 3))
-    ranks.append(holder)
-    assert not holder.attached()
-    assert creator.call("close") == ("closed",)
-    creator.stop()
-    assert creator.proc.exitcode == 0 and os.path.exists(path)  # rank 1 holds it
-    late = Rank(ctx, _kwargs(engine, 2, 3))
-    ranks.append(late)
-    assert not late.attached()  # the same region, not a new one
-    assert late.call("read", 1, 7) == ("value", 42)
-    assert not os.path.exists(path)  # all three attached: unlinked
-
-
-def _refused(rank: Rank) -> str:
-    msg = rank.reply()
-    assert msg[:2] == ("error", "RegionClosedError"), msg
-    return msg[2]
-
-
-def test_late_rank_is_refused_once_every_attached_rank_closed(
-    ctx: Any, ranks: list[Rank], engine: str
-) -> None:
-    """Writers closing before the reader attached used to leave it a new, empty region."""
-    path = sr.region_path(engine, SHM)
-    writers = []
-    for rank in (0, 1):  # one after the other: rank 0 is the creator
-        writers.append(Rank(ctx, _kwargs(engine, rank, 3)))
-        ranks.append(writers[-1])
-        assert writers[-1].attached() == (rank == 0)
-    assert writers[0].call("write", 2, 2, 9) == ("ok",)
-    for writer in writers:
-        assert writer.call("close") == ("closed",)
-        writer.stop()
-    assert os.path.getsize(path) == sr.HEADER_BYTES  # data freed; the closed marker stays
-    reader = Rank(ctx, _kwargs(engine, 2, 3))
-    ranks.append(reader)
-    message = _refused(reader)
-    assert "closed before all 3 ranks attached: rank(s) [0, 1] attached" in message
-    assert "data is gone" in message
-    assert not os.path.exists(path)  # every rank attached or was told: nothing left
-
-
-def test_late_rank_is_refused_when_the_last_holder_died_after_a_close(
-    ctx: Any, ranks: list[Rank], engine: str
-) -> None:
-    path = sr.region_path(engine, SHM)
-    creator = Rank(ctx, _kwargs(engine, 0, 3))
-    ranks.append(creator)
-    assert creator.attached()
-    holder = Rank(ctx, _kwargs(engine, 1, 3))
-    ranks.append(holder)
-    assert not holder.attached()
-    assert creator.call("close") == ("closed",)
-    creator.stop()
-    holder.kill()  # SIGKILL: it never closes
-    assert os.path.getsize(path) > sr.HEADER_BYTES  # nobody left to replace it
-    late = Rank(ctx, _kwargs(engine, 2, 3))
-    ranks.append(late)
-    assert "rank(s) [0, 1] attached" in _refused(late)
+        with _region(engine, 1, 2, num_rows=3):
+            assert not os.path.exists(path)
     assert not os.path.exists(path)
 
 
 # ------------------------------------------------------------- in-process
 
 
-def test_last_holder_close_leaves_a_marker_until_every_rank_is_told(engine: str) -> None:
+def test_rank_0_close_unlinks_and_a_late_rank_times_out(engine: str) -> None:
+    """Never a new, empty region for a rank that comes after rank 0 left: it waits for rank
+    0's file and times out naming that."""
     path = sr.region_path(engine, SHM)
     creator = _region(engine, 0, 3)
     attacher = _region(engine, 2, 3)
@@ -342,19 +294,17 @@ def test_last_holder_close_leaves_a_marker_until_every_rank_is_told(engine: str)
     assert attacher.size_bytes == sr.HEADER_BYTES + 8 * (4096 + 24)
     assert os.path.getsize(path) == attacher.size_bytes
     attacher.close()
-    assert attacher.closed and os.path.exists(path)  # creator holds it: rank 1 may still come
+    assert attacher.closed and os.path.exists(path)  # rank 0 holds it: rank 1 may still come
     creator.close()
-    assert os.path.getsize(path) == sr.HEADER_BYTES  # the data is freed, a marker stays
     creator.close()  # idempotent
+    assert not os.path.exists(path)
     with pytest.raises(ValueError, match="closed"):
         _ = creator.tensor
-    with pytest.raises(RegionClosedError, match=r"closed before all 3 ranks attached") as info:
-        _region(engine, 2, 3)  # an attached rank coming back: told, not counted again
-    assert info.value.attached_ranks == [0, 2] and os.path.exists(path)
-    with pytest.raises(RegionClosedError, match=r"rank\(s\) \[0, 2\] attached") as info:
-        _region(engine, 1, 3)
-    assert info.value.path == path
-    assert not os.path.exists(path)  # every rank attached or was told: nothing left
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 has not created it yet \(or already closed"):
+        _region(engine, 1, 3, attach_timeout_s=0.2)
+    assert time.monotonic() - start < 5
+    assert not os.path.exists(path)
 
 
 def test_attacher_can_rejoin_after_close(engine: str) -> None:
@@ -375,66 +325,53 @@ def test_world_size_one_unlinks_at_once(engine: str) -> None:
         assert int(region.tensor[1, 2]) == 3
 
 
-def test_stale_file_with_dead_pid_is_replaced(engine: str) -> None:
+@pytest.mark.parametrize("state", [sr.STATE_READY, sr.STATE_INIT])
+def test_file_of_a_dead_rank_0_is_replaced(engine: str, state: int) -> None:
     path = sr.region_path(engine, SHM)
-    fd = _write_header(path, pid=_dead_pid(), state=sr.STATE_READY, num_rows=2)
-    os.close(fd)
+    os.close(_write_header(path, pid=_dead_pid(), state=state, num_rows=2))
     with _region(engine, 0, 2) as region:
         assert region.is_creator
         assert os.stat(path).st_size == region.size_bytes
-    assert SharedOffloadRegion.remove_closed_marker(engine)  # rank 1 never came
+    assert not os.path.exists(path)
 
 
-def test_stale_invalid_header_is_replaced_after_grace(
-    engine: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_headerless_file_nobody_holds_is_replaced(engine: str) -> None:
     path = sr.region_path(engine, SHM)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.write(fd, b"garbage")
     os.close(fd)
-    monkeypatch.setattr(SharedOffloadRegion, "stale_grace_s", 0.2)
-    time.sleep(0.3)
     with _region(engine, 0, 2, attach_timeout_s=5.0) as region:
-        assert region.is_creator
-    assert SharedOffloadRegion.remove_closed_marker(engine)
+        assert region.is_creator and os.path.getsize(path) == region.size_bytes
 
 
-def test_never_ready_unlocked_file_is_replaced_after_grace(
-    engine: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = sr.region_path(engine, SHM)
-    os.close(_write_header(path, pid=os.getpid(), state=sr.STATE_INIT))
-    monkeypatch.setattr(SharedOffloadRegion, "stale_grace_s", 0.2)
-    time.sleep(0.3)
-    with _region(engine, 1, 2, attach_timeout_s=5.0) as region:
-        assert region.is_creator
-    assert SharedOffloadRegion.remove_closed_marker(engine)
+def test_engine_id_of_a_live_rank_0_is_refused(engine: str, planted: str) -> None:
+    with _region(engine, 0, 2) as first:
+        with pytest.raises(FileExistsError, match=f"engine_id '{engine}' is in use"):
+            _region(engine, 0, 2)
+        assert int(first.tensor.sum()) == 0 and os.path.exists(first.path)
+    os.close(_write_header(planted, pid=os.getpid(), state=sr.STATE_INIT))  # this process
+    with pytest.raises(FileExistsError, match="in use"):
+        _region(engine, 0, 2, attach_timeout_s=1.0)
 
 
-def test_attach_timeout_while_creator_initialises(engine: str) -> None:
-    path = sr.region_path(engine, SHM)
-    fd = _write_header(path, pid=os.getpid(), state=sr.STATE_INIT)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a live creator in the middle of its setup
+def test_attach_timeout_while_rank_0_initialises(engine: str, planted: str) -> None:
+    fd = _write_header(planted, pid=os.getpid(), state=sr.STATE_INIT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live rank 0 in the middle of its setup
     try:
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=path) as info:
+        with pytest.raises(TimeoutError, match="still setting it up") as info:
             _region(engine, 1, 2, attach_timeout_s=0.3)
-        assert info.value.errno == errno.ETIMEDOUT
+        assert info.value.errno == errno.ETIMEDOUT and info.value.filename == planted
         assert time.monotonic() - start < 5
-        assert os.path.exists(path)  # a live creator's file is never removed
+        assert os.path.exists(planted)  # a live creator's file is never removed
     finally:
         os.close(fd)
-        os.unlink(path)
 
 
-def test_attach_timeout_on_fresh_empty_file(engine: str) -> None:
-    path = sr.region_path(engine, SHM)
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-    try:
-        with pytest.raises(TimeoutError, match="become ready"):
-            _region(engine, 0, 2, attach_timeout_s=0.2)
-    finally:
-        os.unlink(path)
+def test_attach_timeout_on_fresh_empty_file(engine: str, planted: str) -> None:
+    os.close(os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    with pytest.raises(TimeoutError, match="become ready"):
+        _region(engine, 1, 2, attach_timeout_s=0.2)
 
 
 def test_too_small_shm_injected_free_bytes(engine: str) -> None:
@@ -464,36 +401,74 @@ def test_geometry_mismatch_on_attach(engine: str) -> None:
         with pytest.raises(ValueError, match="world_size=2"):
             _region(engine, 1, 3)
         assert os.path.exists(creator.path)  # the live region is left alone
-    assert SharedOffloadRegion.remove_closed_marker(engine)
 
 
-def test_duplicate_rank_rejected(engine: str) -> None:
-    with _region(engine, 0, 3) as creator:
-        with _region(engine, 1, 3), pytest.raises(ValueError, match="already attached"):
-            _region(engine, 1, 3)
-        assert os.path.exists(creator.path)
-        assert not SharedOffloadRegion.remove_closed_marker(engine)  # a live region: kept
-    assert SharedOffloadRegion.remove_closed_marker(engine)
-    assert not SharedOffloadRegion.remove_closed_marker(engine)  # nothing left to remove
+# ------------------------------------------------------------ hostile paths (issue 26)
 
 
-def test_refuses_symlink_and_shared_files(engine: str, tmp_path: Path) -> None:
-    path = sr.region_path(engine, SHM)
-    os.symlink(tmp_path / "target", path)
-    try:
+def _in_thread(fn: Any) -> BaseException | None:
+    """Run ``fn`` in a thread: the error it raised, after checking it did not block."""
+    out: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as error:
+            out[0] = error
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "blocked on the planted path"
+    return out[0]
+
+
+def test_refuses_symlink_fifo_and_shared_files(engine: str, planted: str, tmp_path: Path) -> None:
+    os.symlink(tmp_path / "target", planted)
+    for rank in (0, 1):
         with pytest.raises(PermissionError, match="symlink"):
-            _region(engine, 0, 2)
-        assert not (tmp_path / "target").exists()
-    finally:
-        os.unlink(path)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.fchmod(fd, 0o644)
-    os.close(fd)
-    try:
-        with pytest.raises(PermissionError, match="not private"):
-            _region(engine, 0, 2)
-    finally:
-        os.unlink(path)
+            _region(engine, rank, 2)
+    assert not (tmp_path / "target").exists()
+    os.unlink(planted)
+    os.mkfifo(planted, 0o600)
+    for rank in (0, 1):
+        error = _in_thread(lambda rank=rank: _region(engine, rank, 2, attach_timeout_s=1))
+        assert isinstance(error, PermissionError) and "not a regular file" in str(error)
+    os.unlink(planted)
+    os.close(os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    os.chmod(planted, 0o644)
+    with pytest.raises(PermissionError, match="not private"):
+        _region(engine, 1, 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
+def test_a_file_planted_by_another_user_is_refused(engine: str, planted: str) -> None:
+    """Even a perfect-looking region (right header, 0600) is never mapped, nor removed."""
+    os.close(_write_header(planted, pid=_dead_pid(), state=sr.STATE_READY))
+    os.chown(planted, 4242, 4242)
+    for rank in (0, 1):
+        with pytest.raises(PermissionError, match="uid 4242"):
+            _region(engine, rank, 2)
+    assert os.stat(planted).st_uid == 4242
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user needs root")
+def test_shm_dir_another_user_may_write_is_refused(engine: str, tmp_path: Path) -> None:
+    """A directory of another user, or one every user may write without the sticky bit, lets
+    others swap the region file: refused before anything is created in it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(PermissionError, match="shm_dir: expected a directory of this user"):
+        _region(engine, 0, 1, shm_dir=str(shared))
+    os.chmod(shared, 0o1777)  # sticky, as /dev/shm: fine
+    with _region(engine, 0, 1, shm_dir=str(shared)) as region:
+        assert region.tensor.shape == (8, 4096 + 24)
+    os.chmod(shared, 0o700)
+    os.chown(shared, 4242, 4242)
+    with pytest.raises(PermissionError, match="uid 4242"):
+        _region(engine, 0, 1, shm_dir=str(shared))
+    assert list(shared.iterdir()) == []
 
 
 def test_prefault_fallback_without_populate_write(
@@ -509,12 +484,11 @@ def test_prefault_fallback_without_populate_write(
 def test_close_with_live_views_does_not_raise(engine: str) -> None:
     region = _region(engine, 0, 1)
     view = region.tensor[2]
-    views = region.layer_views([16], 4)
     region.close()
     assert region.closed
     view[0] = 5  # the mapping lives on while views reference it
     assert int(view[0]) == 5
-    del view, views
+    del view
 
 
 def test_tensor_geometry(engine: str) -> None:
@@ -551,61 +525,6 @@ def test_invalid_arguments(engine: str) -> None:
         with pytest.raises(ValueError):
             SharedOffloadRegion(**kwargs)
     assert not os.path.exists(sr.region_path(engine, SHM))
-
-
-# -------------------------------------------------------------- layer views
-
-
-def test_layer_views_default_offsets(engine: str) -> None:
-    with _region(engine, 0, 1, num_rows=3, row_bytes=1024) as region:
-        views = region.layer_views([64, 128, 32], pages_per_row=2)
-        assert [tuple(v.shape) for v in views] == [(3, 2, 64), (3, 2, 128), (3, 2, 32)]
-        assert [v.stride() for v in views] == [(1024, 64, 1), (1024, 128, 1), (1024, 32, 1)]
-        base = region.tensor.data_ptr()
-        assert [v.data_ptr() - base for v in views] == [0, 128, 384]
-        for layer, view in enumerate(views):
-            view[2, 1] = layer + 1
-        row = region.tensor[2].numpy()
-        assert (row[64:128] == 1).all() and (row[128 + 128 : 384] == 2).all()
-        assert (row[384 + 32 : 448] == 3).all()
-        assert (row[:64] == 0).all() and (row[448:] == 0).all()
-        assert int(region.tensor[:2].sum()) == 0
-
-
-def test_layer_views_custom_offsets(engine: str) -> None:
-    with _region(engine, 0, 1, num_rows=2, row_bytes=1000) as region:
-        views = region.layer_views([100, 50], 3, area_offsets=[600, 100])
-        base = region.tensor.data_ptr()
-        assert [v.data_ptr() - base for v in views] == [600, 100]
-        views[0][1, 2, 99] = 7
-        assert int(region.tensor[1, 600 + 2 * 100 + 99]) == 7
-        np.testing.assert_array_equal(
-            views[1].numpy(), region.tensor[:, 100:250].reshape(2, 3, 50).numpy()
-        )
-        # Same inputs give the same views.
-        again = region.layer_views([100, 50], 3, area_offsets=[600, 100])
-        assert [v.data_ptr() for v in again] == [v.data_ptr() for v in views]
-
-
-def test_layer_views_refuse_bad_areas(engine: str) -> None:
-    with _region(engine, 0, 1, num_rows=2, row_bytes=1000) as region:
-        region.layer_views([500, 500], 1)  # exactly fills the row
-        with pytest.raises(ValueError, match="overflows the row of 1000 bytes"):
-            region.layer_views([500, 501], 1)
-        with pytest.raises(ValueError, match="overflows"):
-            region.layer_views([100], 2, area_offsets=[801])
-        with pytest.raises(ValueError, match="overlaps"):
-            region.layer_views([100, 100], 2, area_offsets=[0, 199])
-        with pytest.raises(ValueError, match=">= 0"):
-            region.layer_views([100], 1, area_offsets=[-1])
-        with pytest.raises(ValueError, match="one per layer"):
-            region.layer_views([100, 100], 1, area_offsets=[0])
-        with pytest.raises(ValueError, match="pages_per_row"):
-            region.layer_views([100], 0)
-        with pytest.raises(ValueError, match="page_sizes"):
-            region.layer_views([0], 1)
-        with pytest.raises(ValueError, match="page_sizes"):
-            region.layer_views([], 1)
 
 
 # -------------------------------------------------------------------- pinning
@@ -666,6 +585,5 @@ def test_region_mapping_asks_for_huge_pages(engine: str) -> None:
     where shmem huge pages are allowed (whether they are is the system's setting)."""
     with _region(engine, 0, 2) as region:
         flags = _vm_flags_of_mapping(region.path)
-    assert SharedOffloadRegion.remove_closed_marker(engine)  # rank 1 never came
     assert flags is not None, f"no mapping of {region.path} in /proc/self/smaps"
     assert "hg" in flags, flags

@@ -27,35 +27,21 @@ from layouts.state import (
 DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
 
 
+STATE_DTYPES = dict(conv_dtype="bfloat16", ssm_dtype="float32")
+
+
 def make_specs(layout: str) -> dict[str, StateSpec]:
     common = dict(conv_kernel=4, conv_layout=layout)
+    spec1 = dict(num_spec=1, **common)
     return {
         "mamba2-1group": StateSpec.mamba2(
-            num_heads=8,
-            head_dim=4,
-            n_groups=1,
-            state_size=6,
-            conv_dtype="bfloat16",
-            ssm_dtype="float32",
-            **common,
+            num_heads=8, head_dim=4, n_groups=1, state_size=6, **STATE_DTYPES, **common
         ),
         "mamba2-8groups": StateSpec.mamba2(
-            num_heads=16,
-            head_dim=2,
-            n_groups=8,
-            state_size=4,
-            conv_dtype="float16",
-            num_spec=1,
-            **common,
+            num_heads=16, head_dim=2, n_groups=8, state_size=4, conv_dtype="float16", **spec1
         ),
         "gdn": StateSpec.gdn(
-            num_k_heads=8,
-            num_v_heads=16,
-            head_k_dim=4,
-            head_v_dim=6,
-            conv_dtype="bfloat16",
-            ssm_dtype="float32",
-            **common,
+            num_k_heads=8, num_v_heads=16, head_k_dim=4, head_v_dim=6, **STATE_DTYPES, **common
         ),
         "mamba1": StateSpec.mamba1(
             intermediate_size=16, state_size=5, conv_dtype="float32", **common
@@ -167,42 +153,24 @@ def test_replicated_group_writers_take_turns():
     assert all(m.num_writers == 1 and m.is_writer(3) for m in x)
 
 
+_BF16 = dict(conv_kernel=4, conv_dtype="bfloat16")
+
+
 @pytest.mark.parametrize(
     ("spec", "tp", "words"),
     [
         (
-            StateSpec.mamba2(
-                num_heads=8,
-                head_dim=4,
-                n_groups=2,
-                state_size=6,
-                conv_kernel=4,
-                conv_dtype="bfloat16",
-            ),
+            StateSpec.mamba2(num_heads=8, head_dim=4, n_groups=2, state_size=6, **_BF16),
             4,
             ["n_groups=2", "tp_size=4", "n_groups == 1"],
         ),
         (
-            StateSpec.mamba2(
-                num_heads=6,
-                head_dim=4,
-                n_groups=1,
-                state_size=6,
-                conv_kernel=4,
-                conv_dtype="bfloat16",
-            ),
+            StateSpec.mamba2(num_heads=6, head_dim=4, n_groups=1, state_size=6, **_BF16),
             4,
             ["conv.x", "tp_size=4", "6 units"],
         ),
         (
-            StateSpec.gdn(
-                num_k_heads=2,
-                num_v_heads=8,
-                head_k_dim=4,
-                head_v_dim=4,
-                conv_kernel=4,
-                conv_dtype="bfloat16",
-            ),
+            StateSpec.gdn(num_k_heads=2, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_BF16),
             4,
             ["gdn conv.q", "tp_size=4", "2 units"],
         ),
@@ -255,24 +223,11 @@ def test_spec_is_checked():
         StateSpec.mamba2(
             num_heads=6, head_dim=0, n_groups=1, state_size=4, conv_kernel=4, conv_dtype="bf16"
         )
+    heads = dict(head_k_dim=2, head_v_dim=2, conv_dtype="bf16")
     with pytest.raises(ValueError, match="conv_kernel"):
-        StateSpec.gdn(
-            num_k_heads=2,
-            num_v_heads=2,
-            head_k_dim=2,
-            head_v_dim=2,
-            conv_kernel=1,
-            conv_dtype="bf16",
-        )
+        StateSpec.gdn(num_k_heads=2, num_v_heads=2, conv_kernel=1, **heads)
     with pytest.raises(ValueError, match="num_k_heads: expected a divisor"):
-        StateSpec.gdn(
-            num_k_heads=3,
-            num_v_heads=4,
-            head_k_dim=2,
-            head_v_dim=2,
-            conv_kernel=4,
-            conv_dtype="bf16",
-        )
+        StateSpec.gdn(num_k_heads=3, num_v_heads=4, conv_kernel=4, **heads)
     with pytest.raises(ValueError, match="tp_size"):
         state_certification_failure(make_specs("SD")["gdn"], 0)
     with pytest.raises(ValueError, match="rank"):
@@ -286,8 +241,7 @@ def test_spec_is_checked():
         head_k_dim=4,
         head_v_dim=6,
         conv_kernel=4,
-        conv_dtype="bfloat16",
-        ssm_dtype="float32",
+        **STATE_DTYPES,
     )
     assert hash(spec) == hash(make_specs("SD")["gdn"])
 

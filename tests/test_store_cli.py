@@ -198,3 +198,56 @@ def test_python_dash_m_entry_point(root) -> None:
     usage = subprocess.run([*cmd, "gc", str(root)], env=child_env(), cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert usage.returncode == 2 and "Traceback" not in usage.stderr
     assert len(usage.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pa/ss#w?rd@host:6379/0",
+        "rediss://user:p@ss@host",
+        "unix:///tmp/r.sock?password=pw",
+    ],
+)
+def test_redis_targets_go_to_redis_cli_and_never_echo_the_password(url, capsys, monkeypatch):
+    import canonical_ops.units.redis_cli as redis_cli
+
+    calls = []
+
+    def run(command, target, *, as_json, dry_run, capacity):
+        calls.append((command, target, as_json, dry_run, capacity))
+        return 0
+
+    monkeypatch.setattr(redis_cli, "run", run)
+    assert main(["gc", url, "--capacity", "1G", "--dry-run", "--json"]) == 0
+    assert calls == [("gc", url, True, True, 1 << 30)]
+    assert main(["stats", url]) == 0 and calls[-1] == ("stats", url, False, False, None)
+    # Without the Redis tool: one line, exit 2, no password in it.
+    monkeypatch.setitem(sys.modules, "canonical_ops.units.redis_cli", None)
+    code, out, err = run_capture(capsys, "verify", url)
+    assert code == 2 and err.strip() == "store verify for Redis needs canonical_ops.units.redis_cli"
+    assert "pa/ss" not in out + err and "p@ss" not in out + err and "pw" not in out + err
+
+
+def run_capture(capsys, *argv):
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_redact() -> None:
+    from canonical_ops.units.cli import redact
+
+    assert redact("redis://:pa/ss#w?rd@host:6379/0") == "redis://***@host:6379/0"
+    assert redact("rediss://user:p@ss@host") == "rediss://***@host"
+    assert redact("unix:///s.sock?db=1&password=pw") == "unix:///s.sock?db=1&password=***"
+    assert redact("redis://host:6379") == "redis://host:6379"
+
+
+def test_group_shared_flag_walks_a_group_store(tmp_path, capsys) -> None:
+    with FileStore(tmp_path, NS, fsync=False, group_shared=True) as store:
+        assert store.store(1, 0, row(NS, 1), 0).ok
+    code, out, _ = run(capsys, "verify", str(tmp_path))
+    assert code == 1 and "unsafe" in out  # 0770 directories: not private
+    code, out, _ = run(capsys, "verify", "--group-shared", str(tmp_path))
+    assert code == 0 and "1 unit file(s) in 1 namespace(s) checked, 0 bad" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -20,13 +21,19 @@ from hypothesis import strategies as st
 from canonical_ops.units import (
     FileStore,
     JobPool,
+    LoadItem,
     ModelIdentity,
+    StoreItem,
     StoreNamespace,
     StoreRootError,
+    unitfile,
 )
 from canonical_ops.units import files as files_mod
 from canonical_ops.units import unit as enc_mod
 from canonical_ops.units.files import key_digest, unit_path
+from canonical_ops.units.jobs import IOJob
+from canonical_ops.units.liveness import this_process
+from canonical_ops.units.policy import Entry, LruPolicy
 from canonical_ops.units.unit import header_length
 from layouts import LayerSpec, RankContext
 
@@ -49,15 +56,16 @@ def load_bytes(store, key, first, end) -> tuple[str, np.ndarray]:
 # ---------------------------------------------------------------------- start-up
 
 
-def test_root_must_exist_and_be_writable(tmp_path) -> None:
-    missing = tmp_path / "nope"
-    with pytest.raises(StoreRootError, match=r"root: .*does not exist") as info:
-        FileStore(missing, NS)
-    assert str(missing) in str(info.value)
+def test_a_missing_root_is_created_private_and_a_bad_one_refused(tmp_path) -> None:
+    missing = tmp_path / "nope" / "kv"
+    FileStore(missing, NS).close()  # `--store /tmp/kv` works when it does not exist
+    assert os.stat(missing).st_mode & 0o777 == 0o700
+    assert os.listdir(missing) == []  # and a reader leaves nothing in it
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    with pytest.raises(StoreRootError, match="not a directory"):
+    with pytest.raises(StoreRootError, match=r"root: .*Not a directory") as info:
         FileStore(a_file, NS)
+    assert str(a_file) in str(info.value)
     # /proc refuses new files even to root (permission bits alone would not tell).
     with pytest.raises(StoreRootError, match=r"root: expected a writable directory.*'/proc'"):
         FileStore("/proc", NS)
@@ -104,11 +112,12 @@ def test_arguments(tmp_path, kwargs, error, name) -> None:
 
 def test_layout_on_disk(store, tmp_path) -> None:
     assert store.directory == os.path.join(tmp_path, NS.hex)
+    assert not os.path.exists(store.directory)  # created by the first store
+    assert store.store(b"key", 0, row(NS, 1), 0).ok
     with open(os.path.join(store.directory, "namespace.json")) as f:
         described = json.load(f)
     assert described == NS.describe()
     assert StoreNamespace.from_description(described).digest == NS.digest
-    assert store.store(b"key", 0, row(NS, 1), 0).ok
     kd = key_digest(b"key")
     path = os.path.join(store.directory, kd[:2], kd, "0-32.ckv")
     assert unit_files(store) == [path] == [unit_path(store.directory, kd, 0, 32)]
@@ -231,24 +240,8 @@ def test_cross_split_reads(store) -> None:
     assert load_bytes(store, 3, 8, 24)[0] == "miss"
 
 
-def test_exact_unit_is_read_straight_into_the_destination(store, monkeypatch) -> None:
-    """One preadv into [header, destination]: the destination is the read buffer itself."""
-    assert store.store(7, 0, row(NS, 7), 0).ok
-    dest = np.zeros(NS.total_bytes, np.uint8)
-    seen = []
-    real = os.preadv
-
-    def spy(fd, buffers, offset):
-        seen.append([np.frombuffer(b, np.uint8).ctypes.data for b in buffers])
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(files_mod.os, "preadv", spy)
-    assert store.load(7, 0, 32, dest).ok
-    assert len(seen) == 1 and seen[0][1] == dest.ctypes.data
-
-
 class SpyHasher:
-    """xxh3_128 that logs each update, for the order of reads and hashes."""
+    """xxh3_128 that logs each update, for the order of reads, hashes and copies."""
 
     real_hasher = xxhash.xxh3_128  # before the test patches it
 
@@ -264,38 +257,90 @@ class SpyHasher:
         return self.real.digest()
 
 
+NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "from-device"])
 @pytest.mark.parametrize("chunk", [4096, 5000, NS.total_bytes - 1])
-def test_a_unit_is_read_and_hashed_piece_by_piece(store, monkeypatch, chunk) -> None:
-    """Each piece is read straight into the destination, then hashed at once (while it is
-    in the core's cache), before the next is read; the header comes with the first."""
+def test_a_unit_is_read_hashed_and_copied_piece_by_piece(store, monkeypatch, chunk, cached):
+    """Piece by piece, the header with the first: a piece the page cache holds is read
+    straight into the destination (RWF_NOWAIT: no I/O wait) under the job's claim and hashed
+    there; any other is read into this thread's buffer (a stuck read never writes caller
+    memory), hashed there while in cache, then copied under the claim."""
     assert store.store(7, 0, row(NS, 7), 0).ok
     dest = np.zeros(NS.total_bytes, np.uint8)
     log: list = []
-    real = os.preadv
+    real_read, real_claim = os.preadv, IOJob.claim
 
-    def spy(fd, buffers, offset):
+    def spy(fd, buffers, offset, flags=0):
+        if flags and not cached:
+            raise BlockingIOError(errno.EAGAIN, "not in the page cache")
         views = [np.frombuffer(b, np.uint8) for b in buffers]
-        log.append(("read", views[-1].ctypes.data, len(views[-1]), len(views)))
-        return real(fd, buffers, offset)
+        log.append(("read", views[-1].ctypes.data, offset, sum(len(v) for v in views)))
+        return real_read(fd, buffers, offset, flags)
 
-    monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", chunk)
+    def claim(job):
+        log.append(("claim",))
+        return real_claim(job)
+
+    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(unitfile, "_RWF_NOWAIT", NOWAIT if cached else 1)
     monkeypatch.setattr(files_mod.os, "preadv", spy)
+    monkeypatch.setattr(IOJob, "claim", claim)
     monkeypatch.setattr(enc_mod.xxhash, "xxh3_128", lambda: SpyHasher(log))
     assert store.load(7, 0, 32, dest).ok
     assert np.array_equal(dest, row(NS, 7))
+    total, head = UNIT, header_length(7)
+    offsets = list(range(0, total, chunk))
     reads = [e for e in log if e[0] == "read"]
-    pieces = [
-        (start, min(start + chunk, NS.total_bytes)) for start in range(0, NS.total_bytes, chunk)
-    ]
-    assert [(r[1] - dest.ctypes.data, r[1] - dest.ctypes.data + r[2]) for r in reads] == pieces
-    assert [r[3] for r in reads] == [2] + [1] * (len(pieces) - 1)  # header + first piece
-    # the header's three pieces are hashed after the first read, then each piece right
-    # after its own read
-    payload_log = log[1 + 3 :]
-    assert log[0][0] == "read" and [e[0] for e in log[1:4]] == ["hash"] * 3
-    assert [e[0] for e in payload_log] == ["hash"] + ["read", "hash"] * (len(pieces) - 1)
-    hashes = [e for e in payload_log if e[0] == "hash"]
-    assert [(h[1], h[2]) for h in hashes] == [(r[1], r[2]) for r in reads]
+    assert [(r[2], r[3]) for r in reads] == [(o, min(chunk, total - o)) for o in offsets]
+    if cached:  # into the destination, claimed, then hashed there
+        starts = [r[1] - dest.ctypes.data for r in reads]
+        assert starts == [0] + [o - head for o in offsets[1:]]
+        steps = ["claim", "read", "hash-header", "hash"] + ["claim", "read", "hash"] * (
+            len(offsets) - 1
+        )
+        hashed = [e for e in log if e[0] == "hash"][1:]  # the first: the header
+        assert [h[1] for h in hashed] == [r[1] for r in reads]
+    else:  # the cached read refused; into one reused buffer, hashed there, claimed, copied
+        buffer = reads[0][1]
+        assert {r[1] for r in reads} == {buffer}
+        assert not buffer <= dest.ctypes.data < buffer + chunk
+        piece = ["claim", "read", "hash", "claim"]
+        steps = piece[:2] + ["hash-header"] + piece[2:] + piece * (len(offsets) - 1)
+    first_hash = next(i for i, e in enumerate(log) if e[0] == "hash")
+    assert log[first_hash][2] == head
+    assert [e[0] + "-header" * (i == first_hash) for i, e in enumerate(log)] == steps
+
+
+def test_a_load_that_expired_never_writes_its_destination(tmp_path, monkeypatch) -> None:
+    """A read stuck past the deadline: the job expires (a miss), the destination is never
+    written, even when the read returns later; the pool keeps serving."""
+    with FileStore(tmp_path, NS, fsync=False, threads=1, deadline_s=0.3) as s:
+        assert s.store(7, 0, row(NS, 7), 0).ok
+        gate, entered = threading.Event(), threading.Event()
+        real = os.preadv
+
+        def stuck(fd, buffers, offset, flags=0):
+            if flags:  # RWF_NOWAIT: not in the page cache (a cold network file system)
+                raise BlockingIOError(errno.EAGAIN, "would block")
+            entered.set()
+            gate.wait(30)  # e.g. a hung network file system
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(files_mod.os, "preadv", stuck)
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        job = s.submit_load(7, 0, 32, dest)
+        assert entered.wait(10)
+        s.wait(job, timeout=10)
+        assert job.status == "expired" and not dest.any()
+        monkeypatch.setattr(files_mod.os, "preadv", real)
+        gate.set()
+        time.sleep(0.2)  # the abandoned read returns and is dropped: nothing written
+        assert not dest.any()
+        other = np.zeros(NS.total_bytes, np.uint8)
+        assert s.wait(s.submit_load(7, 0, 32, other), 10).ok
+        assert np.array_equal(other, row(NS, 7))
 
 
 def test_a_unit_that_shrinks_while_read_is_a_miss(store, monkeypatch) -> None:
@@ -303,12 +348,12 @@ def test_a_unit_that_shrinks_while_read_is_a_miss(store, monkeypatch) -> None:
     (path,) = unit_files(store)
     real = os.preadv
 
-    def shrink_after_first_read(fd, buffers, offset):
-        n = real(fd, buffers, offset)
+    def shrink_after_first_read(fd, buffers, offset, flags=0):
+        n = real(fd, buffers, offset, flags)
         os.truncate(path, 2 * 4096)
         return n
 
-    monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", 4096)
     monkeypatch.setattr(files_mod.os, "preadv", shrink_after_first_read)
     status, _ = load_bytes(store, 7, 0, 32)
     m = store.metrics()
@@ -365,7 +410,7 @@ def flip(path: str, offset: int) -> None:
 @pytest.mark.parametrize("chunk", [None, 4096])
 def test_a_bad_file_is_a_miss_and_quarantined(store, damage, chunk, monkeypatch) -> None:
     if chunk is not None:  # read in several pieces: damage in a later piece
-        monkeypatch.setattr(files_mod, "_LOAD_CHUNK_BYTES", chunk)
+        monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
     assert store.store(1, 0, row(NS, 1), 1).ok
     assert store.store(2, 0, row(NS, 2), 2).ok
     (path,) = [p for p in unit_files(store) if key_digest(1) in p]
@@ -482,8 +527,9 @@ def test_gc_to_a_capacity_and_of_leftover_temps(tmp_path) -> None:
         for position in range(6):
             s.store(position, 0, row(NS, position), position)
         tmp_dir = os.path.join(s.directory, "tmp")
-        dead = os.path.join(tmp_dir, f"{files_mod._pid_namespace()}-999999999-1-abcd.tmp")
-        alive = os.path.join(tmp_dir, f"{s._tmp_prefix}beef.tmp")  # this process: alive
+        ns, pid, ticks = this_process()
+        dead = os.path.join(tmp_dir, f"{ns}-999999999-1-abcd.tmp")
+        alive = os.path.join(tmp_dir, f"{ns}-{pid}-{ticks}-beef.tmp")  # this process: alive
         foreign = os.path.join(tmp_dir, "1-1-1-dead.tmp")  # another pid namespace: by age
         for path in (dead, alive, foreign):
             with open(path, "wb") as f:
@@ -629,10 +675,13 @@ def test_any_stored_splits_serve_any_covered_range(splits, drop, first, length) 
 def test_eviction_plan(entries, need) -> None:
     """Oldest recency bucket first; within a bucket, highest prefix position first."""
     lru = [
-        files_mod._Entry(f"{i:032x}", 0, 1, size, position, bucket * 10 + i % 10)
+        Entry(b"k", f"{i:032x}", 0, 1, size, position, bucket * 10 + i % 10)
         for i, (bucket, position, size) in enumerate(sorted(entries))
     ]
-    victims = files_mod._plan_eviction(iter(lru), need, granularity_ns=10)
+    policy = LruPolicy(10e-9)
+    for entry in lru:
+        policy.add(entry)
+    victims = policy.victims(need)
     freed = sum(v.size for v in victims)
     total = sum(e.size for e in lru)
     assert freed >= min(need, total)
@@ -643,3 +692,107 @@ def test_eviction_plan(entries, need) -> None:
         for survivor in survivors:
             vb, sb = victim.last_used // 10, survivor.last_used // 10
             assert vb < sb or (vb == sb and victim.position >= survivor.position)
+
+
+# ---------------------------------------------------------------------- batch forms, direct I/O
+
+
+def test_batch_forms_are_one_job_with_an_outcome_per_item(tmp_path) -> None:
+    with FileStore(tmp_path, NS, fsync=False) as s:
+        items = [StoreItem(k, 0, row(NS, k), k) for k in range(3)] + [(3, 0, row(NS, 3, 0, 16), 3)]
+        job = s.wait(s.submit_stores(items), 30)
+        assert job.kind == "stores" and job.ok and [o.status for o in job.value] == ["ok"] * 4
+        lookup = s.wait(s.submit_lookup([0, 1, 2, 3], 0, 32), 30)
+        assert lookup.ok and lookup.value == 3 and s.lookup([3], 0, 16) == 1
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(4)]
+        job = s.loads([LoadItem(k, 0, 32, d) for k, d in enumerate(dests)])
+        assert [o.status for o in job.value] == ["ok"] * 3 + ["miss"] and job.status == "miss"
+        assert all(np.array_equal(dests[k], row(NS, k)) for k in range(3))
+        with pytest.raises(ValueError, match=r"items\[1\]\.destination: expected 16384 bytes"):
+            s.loads([(0, 0, 32, dests[0]), (1, 0, 32, dests[1][:5])])
+        with pytest.raises(TypeError, match=r"items\[0\]: expected a StoreItem"):
+            s.stores([object()])
+
+
+def test_removed_units_are_reported_once(tmp_path) -> None:
+    with FileStore(tmp_path, NS, fsync=False, capacity_bytes=2 * UNIT) as s:
+        for k in range(3):
+            assert s.store(k, 0, row(NS, k), k).ok
+        # equally recent: the tail (position 1) goes before the head
+        assert s.take_removed() == [(header_key(1), 0, 32)] and s.take_removed() == []
+        (path,) = [p for p in unit_files(s) if key_digest(2) in p]
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last ^ 1]))
+        assert s.load(2, 0, 32, np.zeros(NS.total_bytes, np.uint8)).status == "miss"
+        assert s.take_removed() == [(header_key(2), 0, 32)]
+
+
+def header_key(key: int) -> bytes:
+    from canonical_ops.units.unit import normalize_key
+
+    return normalize_key(key)
+
+
+@pytest.mark.parametrize("chunk", [8192, 1 << 20])
+def test_direct_io_writes_the_same_units_and_reads_them(tmp_path, monkeypatch, chunk) -> None:
+    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
+    odd = small_namespace(7, head_size=24)  # a unit that is no multiple of 4 KiB
+    with (
+        FileStore(tmp_path / "d", odd, fsync=False, direct_io=True) as direct,
+        FileStore(tmp_path / "b", odd, fsync=False) as buffered,
+    ):
+        assert direct.direct_io and not buffered.direct_io
+        for store in (direct, buffered):
+            assert store.store(b"k", 0, row(odd, 1), 5).ok
+            assert store.store(b"k", 2, row(odd, 2, 2, 5), 5).ok
+        pairs = zip(unit_files(direct), unit_files(buffered))
+        for a, b in pairs:  # the very same bytes: one format, either way
+            with open(a, "rb") as fa, open(b, "rb") as fb:
+                assert fa.read() == fb.read()
+        for store in (direct, buffered):
+            dest = np.zeros(odd.layer_bytes(1, 4), np.uint8)
+            assert store.load(b"k", 1, 4, dest).ok
+            assert np.array_equal(dest, row(odd, 1, 1, 4))
+    with FileStore(tmp_path / "b", odd, fsync=False, direct_io=True) as reader:
+        dest = np.zeros(odd.total_bytes, np.uint8)
+        assert reader.load(b"k", 0, 7, dest).ok and np.array_equal(dest, row(odd, 1))
+
+
+def test_direct_io_falls_back_where_the_file_system_refuses_it(tmp_path, monkeypatch) -> None:
+    real = os.open
+
+    def no_direct(path, flags, *args, **kwargs):  # as tmpfs before Linux 6.6, or FUSE
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with FileStore(tmp_path, NS, fsync=False, direct_io=True) as s:
+        assert not s.direct_io  # buffered, and it works
+        assert s.store(1, 0, row(NS, 1), 0).ok
+        assert s.load(1, 0, 32, np.zeros(NS.total_bytes, np.uint8)).ok
+
+
+def test_a_store_that_expired_publishes_nothing(tmp_path, monkeypatch) -> None:
+    """A write stuck past the deadline: the job expires (a failed store); when the write
+    returns later its unit is not linked (the publish claims first)."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hook(stage, path, written):
+        if stage == "publish":
+            entered.set()
+            gate.wait(30)
+
+    monkeypatch.setattr(files_mod, "_test_hook", hook)
+    with FileStore(tmp_path, NS, fsync=False, threads=1, deadline_s=0.3) as s:
+        job = s.submit_store(7, 0, row(NS, 7), 0)
+        assert entered.wait(10)
+        assert s.wait(job, timeout=10).status == "expired"
+        gate.set()
+        time.sleep(0.3)  # the abandoned writer resumes: its claim fails, nothing is linked
+        assert unit_files(s) == [] and os.listdir(os.path.join(s.directory, "tmp")) == []
+        monkeypatch.setattr(files_mod, "_test_hook", None)
+        assert s.wait(s.submit_store(8, 0, row(NS, 8), 0), 10).ok  # the pool goes on

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from canonical_ops.units import JobOutcome, JobPool
+from canonical_ops.units.jobs import current_job, run_inline
 
 
 def wait_until(predicate, timeout=10.0) -> None:
@@ -131,3 +132,84 @@ def test_waited_jobs_do_not_pile_up_unpolled() -> None:
         time.sleep(0.05)
         assert pool.poll() == []
         assert pool._finished == {}
+
+
+# ---------------------------------------------------------------------- deadlines
+
+
+def test_a_stuck_job_expires_and_its_thread_is_replaced() -> None:
+    gate = threading.Event()
+    late = []
+
+    def stuck():
+        gate.wait()
+        late.append(current_job().claim())  # what a load asks before writing its destination
+        return JobOutcome("ok", value="late")
+
+    with JobPool(threads=2, queue_depth=8, deadline_s=0.2) as pool:
+        started = time.perf_counter()
+        jobs = [pool.submit("stuck", stuck) for _ in range(2)]
+        wait_until(lambda: all(j.done for j in jobs), timeout=5)
+        assert time.perf_counter() - started < 0.2 + 1.0  # deadline + slack
+        assert [j.status for j in jobs] == ["expired", "expired"]
+        assert "deadline" in jobs[0].detail and jobs[0].value is None
+        # Both threads are stuck, yet the pool runs new jobs on two fresh threads.
+        names, both = set(), threading.Barrier(2, timeout=5)
+
+        def quick():
+            names.add(threading.current_thread().name)
+            both.wait()  # two jobs at once: two threads serve the pool
+
+        for job in [pool.submit("quick", quick) for _ in range(2)]:
+            assert pool.wait(job, timeout=5).ok
+        assert len(names) == 2 and not names & {"ckv-io-0", "ckv-io-1"}
+        gate.set()  # the abandoned threads finish now: their results are dropped
+        wait_until(lambda: len(late) == 2)
+        time.sleep(0.05)
+        assert late == [False, False] and [j.status for j in jobs] == ["expired", "expired"]
+        assert jobs[0].value is None and [j.kind for j in pool.poll()] == ["stuck"] * 2
+        stats = pool.stats()
+        assert (stats.expired, stats.finished, stats.running) == (2, 4, 0)
+
+
+def test_a_claimed_job_is_not_expired_until_released() -> None:
+    claimed, gate = threading.Event(), threading.Event()
+
+    def writer():
+        assert current_job().claim()
+        claimed.set()
+        gate.wait()  # e.g. a copy into the caller's memory that takes long
+        current_job().release()
+        return JobOutcome("ok", nbytes=1)
+
+    with JobPool(threads=1, queue_depth=2, deadline_s=0.1) as pool:
+        job = pool.submit("claim", writer)
+        claimed.wait(5)
+        time.sleep(0.4)  # well past the deadline
+        assert job.status == "running"
+        gate.set()
+        assert pool.wait(job, timeout=5).ok and job.nbytes == 1
+
+    released = threading.Event()
+
+    def release_then_hang():
+        current_job().claim()
+        current_job().release()
+        released.wait()
+
+    with JobPool(threads=1, queue_depth=2, deadline_s=0.1) as pool:
+        job = pool.wait(pool.submit("r", release_then_hang), timeout=5)
+        released.set()
+    assert job.status == "expired"
+
+
+def test_inline_jobs_and_plain_threads_always_claim() -> None:
+    assert current_job().claim()  # no job: nothing can expire
+    with JobPool(threads=1, queue_depth=2, deadline_s=0.05) as pool:
+        job = pool.make_job("inline", lambda: JobOutcome("ok", value=current_job().claim()))
+        time.sleep(0.1)
+        assert run_inline(job).value is True
+    with pytest.raises(ValueError, match="deadline_s"):
+        JobPool(deadline_s=0)
+    with pytest.raises(TypeError, match="deadline_s"):
+        JobPool(deadline_s="1")

@@ -17,13 +17,21 @@ import errno
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.demo_cli import ROOT, assert_usage_error, demo_command, demo_json, run_demo
+from helpers.demo_cli import (
+    ROOT,
+    assert_usage_error,
+    demo_command,
+    demo_json,
+    prompt_keys,
+    run_demo,
+)
 
 from canonical_ops import demo
 from canonical_ops.units.cli import main as store_cli
@@ -135,8 +143,7 @@ def written_store(tmp_path_factory) -> Path:
 
 
 def unit_of(root: Path, block: int) -> Path:
-    cfg = demo.build_config(demo.build_parser().parse_args(PROMPT), "cpu")
-    kd = key_digest(demo.block_hashes(cfg)[block])
+    kd = key_digest(prompt_keys(*PROMPT)[block])
     [path] = [p for p in unit_files(root) if p.parent.name == kd]
     return path
 
@@ -297,8 +304,7 @@ def test_capacity_evicts_tails_and_a_restart_misses_exactly_those(tmp_path):
     assert files["units_stored"] == BLOCKS and files["evicted"] == BLOCKS - 5
     assert files["bytes_on_disk"] <= capacity
     kept = {p.parent.name for p in unit_files(tmp_path)}
-    cfg = demo.build_config(demo.build_parser().parse_args(PROMPT), "cpu")
-    present = [key_digest(h) in kept for h in demo.block_hashes(cfg)]
+    present = [key_digest(h) in kept for h in prompt_keys(*PROMPT)]
     assert sum(present) == 5 and present[0]  # a head is never evicted before its tail
     first_evicted = present.index(False)
     assert w["persist"]["pages_complete_in_store"] == {"files": first_evicted}
@@ -336,20 +342,24 @@ def test_a_full_disk_fails_stores_cleanly_and_the_engine_keeps_serving(tmp_path)
 # ---------------------------------------------------------------------- start-up errors
 
 
-@pytest.mark.parametrize("phase", ["write", "read"])
-def test_a_missing_root_is_a_one_line_error_at_start_up(tmp_path, phase):
-    missing = tmp_path / "nope"
-    line = assert_usage_error(
-        run_demo(*PROMPT, "--store", str(missing), "--phase", phase), "--store", "does not exist"
-    )
-    assert str(missing) in line
+def test_a_missing_store_directory_is_created_private_to_the_user(tmp_path):
+    """Issue 26: `--store /tmp/kv` failed when the directory did not exist (vLLM's fs tier and
+    LMCache create theirs); now the store creates it, mode 0700, and the restart works."""
+    missing = tmp_path / "kv"
+    assert write(missing, "--writer-tp", "2")["verdict"] == "PASS"
+    assert stat.S_IMODE(missing.stat().st_mode) == 0o700
+    assert_read_passed(read(missing, "--reader-tp", "4", expect=0))
+    fresh = tmp_path / "empty"  # a read phase on a directory nobody wrote: misses only
+    r = read(fresh, "--reader-tp", "2", expect=1)
+    assert r["pages_missed"] == BLOCKS and r["bytes_wrong"] == 0 and r["corrupt_detected"] == 0
 
 
 def test_a_root_that_cannot_be_written_is_a_one_line_error_at_start_up(tmp_path):
     assert_usage_error(run_demo(*PROMPT, "--store", "/proc", "--phase", "read"), "--store /proc")
     file = tmp_path / "a-file"
     file.write_text("")
-    assert_usage_error(run_demo(*PROMPT, "--store", str(file)), "not a directory")
+    line = assert_usage_error(run_demo(*PROMPT, "--store", str(file)), "--store", str(file))
+    assert "not a directory" in line.lower()
     src, ro = tmp_path / "src", tmp_path / "ro"
     src.mkdir()
     ro.mkdir()
@@ -363,11 +373,22 @@ def test_a_root_that_cannot_be_written_is_a_one_line_error_at_start_up(tmp_path)
         os.system(f"umount {ro}")
 
 
-def test_an_unreachable_redis_url_beside_a_directory_is_a_one_line_start_up_error(tmp_path):
-    url = "redis://user:secret@127.0.0.1:1/0"
+@pytest.mark.parametrize(
+    ("password", "pieces"),
+    [("secret", ["secret"]), ("se/cr#et?x", ["cr#et", "et?x"]), ("p@ss/w#rd", ["p@ss", "w#rd"])],
+)
+def test_an_unreachable_redis_url_beside_a_directory_is_a_one_line_start_up_error(
+    tmp_path, password, pieces
+):
+    """Issue 26: a password with an unencoded `/`, `#` or `?` was printed whole (the demo's
+    own redaction stopped at the `/`); every --store is printed through the tier's one
+    redact_url, and the message says what to do instead of naming a Python argument."""
+    url = f"redis://user:{password}@127.0.0.1:1/0"
     result = run_demo(*PROMPT, "--store", str(tmp_path), "--store", url)
-    line = assert_usage_error(result, "--store redis://***@127.0.0.1:1/0")
-    assert "secret" not in line  # the password is never printed
+    line = assert_usage_error(result, "--store redis://user:***@127.0.0.1:1/0")
+    for piece in [password, *pieces]:
+        assert piece not in line, piece  # no piece of the password is printed
+    assert "require_server" not in line and "start the server" in line
     assert not list(tmp_path.iterdir())  # nothing was written: checked before any work
 
 
@@ -375,3 +396,71 @@ def test_mla_has_no_kv_head_override():
     assert_usage_error(
         run_demo("--preset", "deepseek-v3", "--kv-heads", "2"), "--kv-heads 2", "MLA"
     )
+
+
+# ---------------------------------------------------------------------- hybrid models
+
+# tiny-hybrid: layers [gdn, mamba2, gdn, attn] x 2 (2 attention layers of 4 KV heads x 32, 6
+# state layers); 40 tokens = 3 blocks. One KV unit per block and stage, one state unit per
+# stage (the request's state after its last block).
+HYBRID = ["--preset", "tiny-hybrid", "--prompt-tokens", "40"]
+CONTRACT = {
+    "verdict", "failures", "phase", "pages_total", "pages_ready", "pages_loaded", "pages_missed",
+    "corrupt_detected", "bytes_wrong", "bytes_checked", "model", "topology", "store", "load",
+    "timings_s", "namespace", "stores", "persist", "fill", "promote", "stores_failed", "tiers",
+}  # fmt: skip
+
+
+def hybrid(root, phase: str, *args: str, expect: int | None = None) -> dict:
+    return demo_json(*HYBRID, "--store", str(root), "--phase", phase, *args, expect=expect)
+
+
+def test_hybrid_presets_use_the_one_json_contract(tmp_path):
+    """Issue 24: the hybrid presets moved attention KV with raw plans and printed their own
+    schema; they now run through the same engines (rank processes, regions, StageCaches)
+    and print the same fields, their state beside them."""
+    w = hybrid(tmp_path, "write", "--writer-tp", "4", expect=0)
+    assert set(w) >= CONTRACT and w["phase"] == "write"
+    assert w["persist"]["units_ok"] == w["persist"]["units_expected"] == 3
+    assert w["pages_ready"] == 3 and w["pages_loaded"] is None and w["stores_failed"] == 0
+    assert w["state"]["units_persisted"] == w["state"]["units_expected_persisted"] == 1
+    # a reader split whose first stage holds state layers only: [gdn, mamba2, gdn]
+    r = hybrid(tmp_path, "read", "--reader-tp", "2", "--reader-pp", "3", expect=0)
+    assert set(r) >= CONTRACT and r["verdict"] == "PASS", r["failures"]
+    assert r["namespace"] == w["namespace"] and r["state"]["namespace"] == w["state"]["namespace"]
+    assert (r["pages_loaded"], r["pages_missed"], r["bytes_wrong"]) == (3, 0, 0)
+    assert r["fill"]["pages_found"] == r["fill"]["pages_filled"] == 3
+    assert r["fill"]["pages_by_tier"] == {"files": 2 * 3}  # two stages hold attention layers
+    assert r["state"]["units_filled"] == r["state"]["units_expected_filled"] == 3
+    assert r["state"]["bytes_checked"] > 0 and r["state"]["bytes_wrong"] == 0
+    assert r["bytes_checked"] > r["state"]["bytes_checked"]  # KV and state, every byte
+    assert {(t["engine"], t["units"]) for t in r["tiers"]} == {("read", "kv"), ("read", "state")}
+    assert "readers: 6/6 compared with the unsharded truth" in r["_stderr"]
+    assert store_cli(["verify", str(tmp_path)]) == 0
+
+
+def test_hybrid_corrupt_units_are_misses_never_found_or_loaded(tmp_path):
+    """Issue 26: the hybrid summary counted a corrupt KV unit as found
+    (`kv_blocks_from_files`). A flipped bit in block 1's KV unit and in the state unit: each
+    a miss (corrupt_detected), never found, filled or loaded; no wrong byte."""
+    hybrid(tmp_path, "write", "--writer-tp", "4", expect=0)
+    namespaces = {
+        json.loads((d / "namespace.json").read_text()).get("unit_kind", "kv"): d
+        for d in tmp_path.iterdir()
+        if (d / "namespace.json").exists()
+    }
+    kd = key_digest(prompt_keys(*HYBRID, "--store", "x")[1])
+    [kv_unit] = [p for p in namespaces["kv"].glob("*/*/*.ckv") if p.parent.name == kd]
+    [state_unit] = list(namespaces["state"].glob("*/*/*.ckv"))
+    for unit in (kv_unit, state_unit):
+        data = bytearray(unit.read_bytes())
+        data[-1] ^= 0x01
+        unit.write_bytes(bytes(data))
+    r = hybrid(tmp_path, "read", "--reader-tp", "1", expect=1)
+    assert r["corrupt_detected"] == 2 and r["bytes_wrong"] == 0
+    assert (r["pages_loaded"], r["pages_missed"]) == (1, 2)  # the prefix before block 1
+    assert r["fill"]["pages_found"] == r["fill"]["pages_filled"] == 1
+    assert r["fill"]["pages_by_tier"] == {"files": 2}  # blocks 0 and 2 verified, not 1
+    assert r["state"]["units_filled"] == 0 and r["state"]["bytes_checked"] == 0
+    assert any("state units of the request were found" in f for f in r["failures"])
+    assert not any("differ from the unsharded truth" in f for f in r["failures"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -93,7 +94,7 @@ def test_write_through_then_a_fresh_engine_fills_its_region_from_files(tmp_path)
     # A restart: another store object (index rebuilt from disk), an empty region.
     with FileStore(tmp_path, NS, fsync=False) as files:
         reader = Stage(0, 32, [files], names=["files"])
-        found = reader.cache.lookup(KEYS)
+        found = reader.cache.lookup(KEYS, timeout=30)
         assert found == TierLookup(0, 6, (0,) * 6)
         result = reader.cache.fetch(KEYS, found)
         assert (result.submitted, result.present, result.refused) == (6, 0, 0)
@@ -103,7 +104,7 @@ def test_write_through_then_a_fresh_engine_fills_its_region_from_files(tmp_path)
         assert reader.manager.lookup(KEYS) == 6
         for block, got in enumerate(reader.ready_rows(6)):
             assert np.array_equal(got, truth(block))
-        assert reader.cache.lookup(KEYS) == TierLookup(6, 0, ())
+        assert reader.cache.lookup(KEYS) == TierLookup(6, 0, ())  # all in the region: no tier asked
         m = reader.cache.metrics()
         assert (m.lookup_blocks, m.region_hit_blocks, m.tier_hit_blocks) == (12, 6, 6)
         assert (m.tiers[0].fills_ok, m.tiers[0].bytes_filled) == (6, 6 * NS.total_bytes)
@@ -125,7 +126,7 @@ def test_any_pipeline_split_reads_any_other(tmp_path, writer_pp, reader_pp):
         assert files.lookup(KEYS[:4], 0, 32) == 4  # complete: every layer, across the units
         readers = [Stage(*pp_layer_range(32, s, reader_pp), [files]) for s in range(reader_pp)]
         for stage in readers:
-            assert stage.cache.fetch(KEYS[:4]).submitted == 4
+            assert stage.cache.fetch(KEYS[:4], timeout=30).submitted == 4
             stage.cache.drain(30)
             assert stage.manager.lookup(KEYS[:4]) == 4
             for block, got in enumerate(stage.ready_rows(4)):
@@ -144,7 +145,7 @@ def test_a_corrupt_unit_is_a_miss_never_a_load(tmp_path):
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
         reader = Stage(0, 32, [files])
-        assert reader.cache.fetch(KEYS).submitted == 6
+        assert reader.cache.fetch(KEYS, timeout=30).submitted == 6
         statuses = {e.block_hash: e.status for e in reader.cache.drain(30)}
         assert statuses[KEYS[2]] == "miss" and list(statuses.values()).count("ok") == 5
         assert reader.manager.page_of(KEYS[2]) is None  # freed: nothing of it is served
@@ -154,7 +155,7 @@ def test_a_corrupt_unit_is_a_miss_never_a_load(tmp_path):
         assert files.metrics().corrupt_detected == 1 and files.metrics().quarantined == 1
         assert reader.cache.metrics().tiers[0].fills_missed == 1
         # a later lookup no longer offers it (quarantined): the tiers hold nothing more
-        assert reader.cache.lookup(KEYS) == TierLookup(2, 0, ())
+        assert reader.cache.lookup(KEYS, timeout=30) == TierLookup(2, 0, ())
 
 
 def _unit_of(files: FileStore, key: bytes) -> str:
@@ -169,46 +170,74 @@ def _unit_of(files: FileStore, key: bytes) -> str:
 
 
 class BatchTier:
-    """A tier with the batch forms (as the Redis tier has): one job per call, one outcome
-    per item in ``job.value``. Backed by a FileStore's own synchronous calls."""
+    """A unit store that records every call it gets (a FileStore underneath)."""
 
     def __init__(self, files: FileStore) -> None:
         self.files = files
         self.namespace = files.namespace
-        self.batches: list[int] = []
+        self.calls: list[tuple[str, int]] = []
 
-    def lookup(self, keys, first, end):
-        return self.files.lookup(keys, first, end)
-
-    def submit_load(self, key, first, end, destination):
-        return self.files.submit_load(key, first, end, destination)
-
-    def submit_store(self, key, first, payload, position, *, end=None):
-        return self.files.submit_store(key, first, payload, position, end=end)
-
-    def _batch(self, kind, run, items):
-        self.batches.append(len(items))
-
-        def work():
-            outcomes = [JobOutcome(j.status, j.nbytes, j.detail) for j in (run(*i) for i in items)]
-            worst = "ok" if all(o.status == "ok" for o in outcomes) else "miss"
-            return JobOutcome(worst, value=outcomes)
-
-        return self.files.pool.submit(kind, work)
+    def submit_lookup(self, keys, first, end):
+        self.calls.append(("lookup", len(keys)))
+        return self.files.submit_lookup(keys, first, end)
 
     def submit_loads(self, items):
-        return self._batch("loads", self.files.load, items)
+        self.calls.append(("loads", len(items)))
+        return self.files.submit_loads(items)
 
     def submit_stores(self, items):
-        return self._batch(
-            "stores", lambda k, f, p, pos, e: self.files.store(k, f, p, pos, end=e), items
-        )
+        self.calls.append(("stores", len(items)))
+        return self.files.submit_stores(items)
 
     def wait(self, job, timeout=None):
         return self.files.wait(job, timeout)
 
-    def metrics(self):
-        return self.files.metrics()
+    @property
+    def batches(self) -> list[int]:
+        return [n for kind, n in self.calls if kind != "lookup"]
+
+
+class GatedTier(BatchTier):
+    """Its lookups answer only once ``gate`` is set (a slow disk, a far server)."""
+
+    def __init__(self, files: FileStore, gate: threading.Event) -> None:
+        super().__init__(files)
+        self.gate = gate
+
+    def submit_lookup(self, keys, first, end):
+        self.calls.append(("lookup", len(keys)))
+
+        def work():
+            assert self.gate.wait(30)
+            return JobOutcome("ok", value=self.files.lookup(keys, first, end))
+
+        return self.files.pool.submit("lookup", work)
+
+
+def test_lookup_never_waits_for_a_tier(tmp_path):
+    """The lookup used to ask each tier on the caller's thread: a slow tier stalled the
+    scheduler. Now it submits one lookup per tier and answers pending until they finish."""
+    gate = threading.Event()
+    with FileStore(tmp_path, NS, fsync=False) as files:
+        Stage(0, 32, [files]).write(range(6))
+        files.pool.close()
+    with FileStore(tmp_path, NS, fsync=False) as files:
+        gated = GatedTier(files, gate)
+        stage = Stage(0, 32, [gated])
+        start = time.monotonic()
+        assert stage.cache.lookup(KEYS) == TierLookup(0, 0, (), pending=True)
+        assert stage.cache.lookup(KEYS) == TierLookup(0, 0, (), pending=True)
+        assert stage.cache.fetch(KEYS).submitted == 0  # nothing known yet: nothing fetched
+        assert time.monotonic() - start < 5 and not gate.is_set()
+        assert gated.calls == [("lookup", 6)]  # one job per tier, asked once
+        gate.set()
+        found = stage.cache.lookup(KEYS, timeout=30)
+        assert found == TierLookup(0, 6, (0,) * 6) and gated.calls == [("lookup", 6)]
+        assert stage.cache.metrics().lookup_blocks == 6  # counted once, when answered
+        assert stage.cache.fetch(KEYS, found).submitted == 6
+        assert gated.calls[1:] == [("loads", 6)]  # one batch for the six fills
+        stage.cache.drain(30)
+        assert stage.manager.lookup(KEYS) == 6
 
 
 def test_a_prefix_half_in_one_tier_half_in_another(tmp_path):
@@ -230,7 +259,7 @@ def test_a_prefix_half_in_one_tier_half_in_another(tmp_path):
     ):
         batch = BatchTier(b)
         reader = Stage(0, 32, [a, batch], names=["files-a", "batch-b"])
-        found = reader.cache.lookup(KEYS)
+        found = reader.cache.lookup(KEYS, timeout=30)
         assert found == TierLookup(0, 6, (0, 0, 0, 1, 1, 1))  # a has 0-2, b continues
         assert reader.cache.fetch(KEYS, found).submitted == 6
         assert batch.batches == [3]  # the blocks only b supplies, in one job
@@ -270,7 +299,7 @@ def test_promote_copies_only_what_came_from_a_farther_tier_into_the_nearer_ones(
         reader.write(range(5, 6))  # block 5: stored by this engine itself, from no tier
         reader.cache.drain(30)
         before = {t.name: t.stores_ok for t in reader.cache.metrics().tiers}
-        found = reader.cache.lookup(KEYS[:5])
+        found = reader.cache.lookup(KEYS[:5], timeout=30)
         assert found == TierLookup(0, 5, (0, 0, 1, 1, 1))
         reader.cache.fetch(KEYS[:5], found)
         reader.cache.drain(30)
@@ -286,7 +315,7 @@ def test_promote_copies_only_what_came_from_a_farther_tier_into_the_nearer_ones(
             assert np.array_equal(got, truth(block))
     with FileStore(tmp_path / "near", NS, fsync=False) as near:  # a restart: near alone
         alone = Stage(0, 32, [near])
-        alone.cache.fetch(KEYS)
+        alone.cache.fetch(KEYS, timeout=30)
         alone.cache.drain(30)
         assert alone.manager.lookup(KEYS) == 6
         for block, got in enumerate(alone.ready_rows(6)):
@@ -302,10 +331,10 @@ class BrokenTier:
     def __init__(self, namespace) -> None:
         self.namespace = namespace
 
-    def lookup(self, *args, **kwargs):
+    def submit_lookup(self, *args, **kwargs):
         raise ConnectionError("tier down")
 
-    submit_load = submit_store = lookup
+    submit_loads = submit_stores = submit_lookup
 
     def wait(self, job, timeout=None):  # pragma: no cover - nothing is ever submitted
         return job
@@ -317,8 +346,9 @@ def test_a_failing_tier_never_stops_the_engine(tmp_path):
         files.pool.close()
     with FileStore(tmp_path, NS, fsync=False) as files:
         stage = Stage(0, 32, [BrokenTier(NS), files], pages=4, names=["broken", "files"])
-        assert stage.cache.lookup(KEYS) == TierLookup(0, 4, (1,) * 4)  # the good tier answers
-        stage.cache.fetch(KEYS)
+        found = stage.cache.lookup(KEYS, timeout=30)
+        assert found == TierLookup(0, 4, (1,) * 4)  # the good tier answers
+        stage.cache.fetch(KEYS, found)
         stage.cache.drain(30)
         assert stage.manager.lookup(KEYS) == 4
         result = stage.cache.persist(KEYS)  # to "broken" (raises) and not back to files
@@ -369,7 +399,7 @@ def test_fetch_takes_the_leading_blocks_a_small_region_can_hold(tmp_path):
         files.pool.close()
     with FileStore(tmp_path, NS, fsync=False) as files:
         stage = Stage(0, 32, [files], pages=4)
-        result = stage.cache.fetch(KEYS)
+        result = stage.cache.fetch(KEYS, timeout=30)
         assert (result.submitted, result.refused) == (4, 2)
         assert result.pages[4:] == (None, None)
         stage.cache.drain(30)

@@ -1,58 +1,21 @@
-"""OffloadWorker's CUDA jobs: side stream, per-job error records, pooled resources, and
-``poll()`` / ``wait()`` never waiting for the compute stream.
+"""OffloadWorker's CUDA jobs on a GPU: side stream, per-job error records, pooled resources,
+and ``poll()`` / ``wait()`` never waiting for the compute stream.
 
-The CUDA tests are marked ``cuda`` (skipped, with the reason, without a GPU); the pool and
-record bookkeeping they rely on is tested on CPU here too.
+Marked ``cuda`` (skipped, with the reason, without a GPU); the same job path is emulated on
+the CPU in test_ops_transfer.py.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from canonical_ops.engine import OffloadWorker, canonical_row_bytes
 from canonical_ops.engine.worker import group_layer_mappings
-from canonical_ops.ops import CanonicalTransferError, CudaJobPools, ErrorRecords, transfer_error
+from canonical_ops.ops import CanonicalTransferError
 from layouts import LayerSpec, RankContext
-
-# --------------------------------------------------------------------------- CPU bookkeeping
-
-
-def test_error_records_are_reused_and_read_without_cuda():
-    records = ErrorRecords(chunk=2, pin=False)
-    first, second = records.acquire(), records.acquire()
-    assert first.data_ptr() != second.data_ptr() and not first.any()
-    assert records.release(first) is None  # nothing recorded
-    second[:3] = torch.tensor([1, 0, 3])  # as a kernel would: block flag, pair 2
-    error = records.release(second, np.array([4, 5, 99]), np.array([0, 1, 2]))
-    assert isinstance(error, CanonicalTransferError)
-    assert "pair: 2 (block_ids[2] = 99, page_ids[2] = 2)" in str(error)
-    again = records.acquire()
-    assert again.data_ptr() in (first.data_ptr(), second.data_ptr()) and not again.any()
-    third = records.acquire()
-    fourth = records.acquire()  # a new chunk; earlier records never move
-    assert len({t.data_ptr() for t in (again, third, fourth)}) == 3
-
-
-def test_transfer_error_names_the_kinds():
-    assert transfer_error([0, 0, 0, 0]) is None
-    assert "block id" in str(transfer_error([1, 0, 1, 0]))
-    both = str(transfer_error([1, 1, 5, 0]))
-    assert "block id and page id" in both and "pair: 4" in both
-
-
-def test_job_pools_reuse_staging_by_capacity():
-    pools = CudaJobPools(pin=False)
-    small = pools.staging(10)
-    assert small.numel() == 128 and small.dtype == torch.int64
-    pools.release_staging(small)
-    assert pools.staging(100).data_ptr() == small.data_ptr()
-    big = pools.staging(1000)
-    assert big.numel() == 1024
-
 
 # --------------------------------------------------------------------------- CUDA jobs
 
@@ -159,6 +122,6 @@ def test_jobs_reuse_pooled_events_staging_and_records():
     worker, _, _ = _worker()
     for _ in range(3):
         worker.wait(worker.store(block_ids=[0, 1], page_ids=[0, 1]))
-    pools = worker._cuda_pools()
+    pools = worker._queue.pools
     assert len(pools._events) == 1 and len(pools.errors._chunks) == 1
     assert sum(len(free) for free in pools._staging.values()) == 1

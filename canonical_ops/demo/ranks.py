@@ -4,55 +4,30 @@ spawning them, their milestones as progress lines, what each reported."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+import torch
+
 from layouts import RankContext
 
+from ..engine import OffloadWorker, SharedOffloadRegion
+from ..engine.hybrid import StateWorker
+from . import truth
 from .config import DemoConfig
-from .truth import allocate_kv, block_table, compare_with_truth, shard_of, truth_layer
-
-PLAIN_COPY_CAP_BYTES = 256 << 20  # the plain-copy baseline copies at most this much
-
-
-def plain_copy_seconds(num_bytes: int, device) -> float:
-    """Time of one contiguous copy of the same bytes between the same memories.
-
-    Copies at most ``PLAIN_COPY_CAP_BYTES`` and scales the time up linearly.
-    """
-    import torch
-
-    sample = max(1, min(num_bytes, PLAIN_COPY_CAP_BYTES))
-    if device.type == "cuda":
-        src = torch.empty(sample, dtype=torch.uint8, device=device)
-        dst = torch.empty(sample, dtype=torch.uint8, pin_memory=True)
-    else:
-        src = torch.ones(sample, dtype=torch.uint8)
-        dst = torch.zeros(sample, dtype=torch.uint8)
-    dst.copy_(src, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best * num_bytes / sample
 
 
 @dataclass(frozen=True)
 class Source:
-    """Region rows a rank moves: layers ``[first, end)`` of pages ``page_ids`` of one region.
+    """Region rows a rank moves: ``kind`` ("kv" or "state") layers ``[first, end)`` of that
+    kind, pages ``page_ids`` of one region. ``area_offsets`` place KV layers in the rows of
+    a region of another pipeline split (None: the rows are exactly these layers)."""
 
-    ``area_offsets`` place those layers in the region's rows when the region
-    belongs to another pipeline split (None: the rows are exactly these layers).
-    """
-
+    kind: str
     region_args: dict
     first: int
     end: int
@@ -62,7 +37,7 @@ class Source:
 
 @dataclass(frozen=True)
 class RankTask:
-    """One rank process: its pipeline stage's layers, its TP rank and the regions it uses."""
+    """One rank process: its stage, the stage's KV layers, its TP rank and its regions."""
 
     stage: int
     first: int
@@ -71,93 +46,77 @@ class RankTask:
     sources: tuple[Source, ...]
 
 
-def writer_rank(cfg: DemoConfig, task: RankTask, workers, kv, emit) -> dict:
-    """Fill this writer's caches (its stage's layers) from the truth and store the prompt."""
-    import torch
-
-    [worker] = workers
-    [source] = task.sources
-    device = kv[0].device
-    blocks = block_table(cfg, salt=1).to(device)
-    for index, layer in enumerate(range(task.first, task.end)):
-        shard = shard_of(cfg, truth_layer(cfg, layer), cfg.writer_tp, task.tp_rank)
-        kv[index][blocks] = shard.to(device)
-    emit("started")
-    pages = torch.tensor(source.page_ids, dtype=torch.int64)
-    # Transfers are idempotent: the first warms page tables and caches, the second is timed.
-    worker.wait(worker.store(block_ids=blocks, page_ids=pages))
-    job = worker.wait(worker.store(block_ids=blocks, page_ids=pages))
-    emit("stored")
-    return dict(pages=len(source.page_ids), bytes=job.num_bytes, seconds=job.seconds)
-
-
-def reader_rank(cfg: DemoConfig, task: RankTask, workers, kv, emit) -> dict:
-    """Load the pages into this reader's caches (from every source) and check them."""
-    import torch
-
-    device = kv[0].device
-    counts = {len(source.page_ids) for source in task.sources}
-    if len(counts) != 1:
-        raise ValueError(f"sources: expected the same page count from each, got {counts}")
-    count = counts.pop()
-    blocks = block_table(cfg, salt=2)[:count].to(device)
-    emit("started")
-    seconds = num_bytes = 0
-    for _ in range(2):  # the first warms page tables and caches, the second is timed
-        seconds = num_bytes = 0
-        for worker, source in zip(workers, task.sources):
-            pages = torch.tensor(source.page_ids, dtype=torch.int64)
-            job = worker.wait(worker.load(block_ids=blocks, page_ids=pages))
-            seconds += job.seconds
-            num_bytes += job.num_bytes
-    emit("loaded")
-    check = compare_with_truth(cfg, cfg.reader_tp, task.tp_rank, kv, blocks, task.first)
-    emit("verified")
-    return dict(pages=count, bytes=num_bytes, seconds=seconds, **check)
+def _workers(cfg: DemoConfig, role: str, task: RankTask, regions: list, kv: list):
+    """The rank's OffloadWorkers over its KV caches (one per KV source) and StateWorkers over
+    fresh state slots (one per state source), each with its source."""
+    tp, ctx = cfg.tp(role), RankContext(cfg.tp(role), cfg.total_kv_heads, task.tp_rank)
+    # The caches hold int bit patterns; the worker checks dtypes, so it gets typed views.
+    typed = [t.view(getattr(torch, cfg.dtype)) for t in kv]
+    kv_workers, states = [], []
+    for source, region in zip(task.sources, regions):
+        lo, hi = source.first - task.first, source.end - task.first
+        if source.kind == "kv":
+            specs, offsets = [cfg.spec(tp)] * (hi - lo), source.area_offsets
+            worker = OffloadWorker(typed[lo:hi], specs, ctx, region, area_offsets=offsets)
+            kv_workers.append((worker, source))
+        else:
+            slots, specs = truth.state_slots(cfg, tp, source.first, source.end), cfg.state_specs()
+            worker = StateWorker(slots, specs[source.first : source.end], ctx, region.tensor)
+            states.append((worker, source))
+    return kv_workers, states
 
 
 def rank_main(role: str, cfg_dict: dict, index: int, task: RankTask, events) -> None:
-    """One writer or reader process; reports milestones and its result through ``events``."""
+    """One writer or reader process. A writer fills its caches (and the request's state in
+    slot 1) from the truth and stores them into its stage's regions; a reader loads them
+    (state into slot 0) from every source and checks every byte. Milestones and the result
+    (or the traceback) go to the coordinator through ``events``."""
 
     def emit(event: str, payload: Any = None) -> None:
         events.put((event, index, payload))
 
     try:
-        import torch
-
-        from canonical_ops.engine import OffloadWorker, SharedOffloadRegion
-
         torch.set_num_threads(1)
-        cfg = DemoConfig(**cfg_dict)
-        tp = cfg.tp(role)
-        device = torch.device(cfg.device)
+        cfg, writer, rank = DemoConfig(**cfg_dict), role == "writer", task.tp_rank
+        tp, device, slot = cfg.tp(role), torch.device(cfg.device), 1 if writer else 0
         if device.type == "cuda":
             torch.cuda.set_device(0)
         regions = []
         try:
             for source in task.sources:
                 regions.append(SharedOffloadRegion(**source.region_args))
-            kv = allocate_kv(cfg, tp, device, task.end - task.first)
-            ctx = RankContext(tp, cfg.total_kv_heads, task.tp_rank)
-            # The caches hold int bit patterns; the worker checks dtypes, so it gets typed views.
-            typed = [t.view(getattr(torch, cfg.dtype)) for t in kv]
-            workers = []
-            for source, region in zip(task.sources, regions):
-                lo, hi = source.first - task.first, source.end - task.first
-                workers.append(
-                    OffloadWorker(
-                        typed[lo:hi],
-                        [cfg.spec(tp)] * (hi - lo),
-                        ctx,
-                        region,
-                        area_offsets=source.area_offsets,
-                    )
-                )
-            body = writer_rank if role == "writer" else reader_rank
-            report = body(cfg, task, workers, kv, emit)
-            report.update(stage=task.stage, tp_rank=task.tp_rank)
-            report["copy_seconds"] = plain_copy_seconds(max(report["bytes"], 1), device)
-            del workers, kv, typed
+            kv = truth.allocate_kv(cfg, tp, device, task.end - task.first)
+            kv_workers, states = _workers(cfg, role, task, regions, kv)
+            counts = {len(source.page_ids) for _, source in kv_workers}
+            if len(counts) > 1:
+                raise ValueError(f"sources: expected the same page count from each, got {counts}")
+            count = counts.pop() if counts else 0
+            blocks = truth.block_table(cfg, salt=1 if writer else 2)[:count].to(device)
+            for i, layer in enumerate(range(task.first, task.end) if writer else ()):
+                shard = truth.shard_of(cfg, truth.truth_layer(cfg, layer), tp, rank)
+                kv[i][blocks] = shard.to(device)
+            state = truth.state_pairs(cfg, tp, rank, states, slot)
+            for got, want in state if writer else ():
+                got.copy_(want)
+            emit("started")
+            kind = "store" if writer else "load"
+            for _ in range(2):  # the first pass warms page tables and caches, the second is timed
+                seconds = num_bytes = 0
+                for worker, source in kv_workers:
+                    pages = torch.tensor(source.page_ids, dtype=torch.int64)
+                    job = worker.wait(getattr(worker, kind)(block_ids=blocks, page_ids=pages))
+                    seconds, num_bytes = seconds + job.seconds, num_bytes + job.num_bytes
+            for worker, source in states:
+                getattr(worker, kind)(slot_ids=[slot], page_ids=list(source.page_ids))
+            emit("stored" if writer else "loaded")
+            report = dict(pages=count, bytes=num_bytes, seconds=seconds)
+            report.update(stage=task.stage, tp_rank=rank)
+            if not writer:  # the state's views now hold what was loaded
+                report.update(truth.compare_with_truth(cfg, tp, rank, kv, blocks, task.first))
+                report["state_bytes_wrong"] = sum(int((a != b).sum()) for a, b in state)
+                report["state_bytes_checked"] = sum(a.numel() for a, _ in state)
+                emit("verified")
+            del kv_workers, states, kv, state
         finally:
             for region in regions:
                 region.close()
@@ -170,8 +129,7 @@ class Progress:
     """Timestamped progress lines (seconds since the demo started)."""
 
     def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.start = time.perf_counter()
+        self.stream, self.start = stream, time.perf_counter()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -195,73 +153,52 @@ class GroupRun:
         return not self.errors and len(self.reports) == self.ranks
 
 
-def run_group(
-    pool,
-    role: str,
-    cfg: DemoConfig,
-    tasks: Sequence[RankTask],
-    timeout_s: float,
-    progress: Progress,
-    milestones: dict[str, str],
-) -> GroupRun:
-    """Run one process per task; print a line when all live ranks reach each milestone."""
-    count = len(tasks)
-    run = GroupRun(role, count)
-    events = pool.Queue()
-    procs = {}
-    plural = f"{role}s"
+def run_group(s, role: str, tasks: Sequence[RankTask], milestones: dict[str, str]) -> GroupRun:
+    """One process per task (``s``: the session); a progress line once every live rank reached
+    a milestone. A rank silent past --timeout, or dead without a word, fails."""
+    cfg, count = s.cfg, len(tasks)
+    run, events, procs = GroupRun(role, count), s.pool.Queue(), {}
     shape = f"TP={cfg.tp(role)}" + (f" x PP={cfg.pp(role)}" if cfg.pp(role) > 1 else "")
-    progress(f"{plural}: spawning {count} process{'es' if count > 1 else ''} ({shape})")
-    start = last = time.perf_counter()
+    s.progress(f"{role}s: spawning {count} process{'es' if count > 1 else ''} ({shape})")
     reached: dict[str, set[int]] = {m: set() for m in milestones}
-    announced: set[str] = set()
     dead_since: dict[int, float] = {}
+    last = time.perf_counter()
+    deadline = last + s.timeout_s
     try:
         for index, task in enumerate(tasks):
-            p = pool.Process(target=rank_main, args=(role, asdict(cfg), index, task, events))
-            p.start()
-            procs[index] = p
-        deadline = start + timeout_s
+            args = (role, asdict(cfg), index, task, events)
+            procs[index] = s.pool.Process(target=rank_main, args=args)
+            procs[index].start()
         while len(run.reports) + len(run.errors) < count:
             now = time.perf_counter()
+            pending = [i for i in procs if i not in run.reports and i not in run.errors]
             if now >= deadline:
-                for index in procs:
-                    if index not in run.reports and index not in run.errors:
-                        run.errors[index] = f"no report within --timeout {timeout_s:g} s"
+                late = f"no report within --timeout {s.timeout_s:g} s"
+                run.errors.update(dict.fromkeys(pending, late))
                 break
             try:
                 event, index, payload = events.get(timeout=min(0.5, deadline - now))
-            except Exception:  # queue.Empty: look for ranks that died without a word
-                for index, p in procs.items():
-                    if index in run.reports or index in run.errors or p.exitcode is None:
-                        continue
-                    first = dead_since.setdefault(index, now)
-                    if now - first > 2.0:  # its last words had time to arrive
-                        run.errors[index] = (
-                            f"process exited with code {p.exitcode} before reporting"
-                        )
-            else:
-                if event == "done":
-                    run.reports[index] = payload
-                elif event == "error":
-                    run.errors[index] = payload
-                elif event in reached:
+            except queue.Empty:  # look for ranks that died without a word
+                for i in pending:  # (after 2 s: their last words had time to arrive)
+                    code = procs[i].exitcode
+                    if code is not None and now - dead_since.setdefault(i, now) > 2:
+                        run.errors[i] = f"process exited with code {code} before reporting"
+            else:  # a milestone, or the last word: the report or the traceback
+                if event in reached:
                     reached[event].add(index)
+                else:
+                    (run.reports if event == "done" else run.errors)[index] = payload
             live = count - len(run.errors)
             for milestone, words in milestones.items():
-                if milestone not in announced and live and len(reached[milestone]) >= live:
-                    announced.add(milestone)
+                if milestone not in run.phase_seconds and live and len(reached[milestone]) >= live:
                     now = time.perf_counter()
-                    run.phase_seconds[milestone] = now - last
-                    progress(
-                        f"{plural}: {len(reached[milestone])}/{count} {words} ({now - last:.1f} s)"
-                    )
-                    last = now
+                    run.phase_seconds[milestone], last = now - last, now
+                    took = run.phase_seconds[milestone]
+                    s.progress(f"{role}s: {len(reached[milestone])}/{count} {words} ({took:.1f} s)")
     finally:
         grace = time.perf_counter() + 5.0  # for all of them together, then kill the rest
         for p in procs.values():
             p.join(timeout=max(0.0, grace - time.perf_counter()))
-        for p in procs.values():
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -269,16 +206,11 @@ def run_group(
 
 
 def rank_pool():
-    """Process context of the ranks: a forkserver with torch and the ops preloaded, so that
-    each rank starts in milliseconds instead of importing torch anew (spawn semantics).
-
-    Started at once, so that the server's imports overlap the coordinator's set-up.
-    """
+    """A forkserver with torch and the ops preloaded: each rank starts in milliseconds instead
+    of importing torch anew (spawn semantics, no fork of a threaded parent)."""
     from multiprocessing import forkserver
 
     pool = mp.get_context("forkserver")
-    pool.set_forkserver_preload(
-        ["torch", "numpy", "canonical_ops.ops", "canonical_ops.engine.worker", __name__]
-    )
+    pool.set_forkserver_preload(["torch", "numpy", "canonical_ops.engine.worker", __name__])
     forkserver.ensure_running()
     return pool

@@ -1,12 +1,16 @@
-"""The prompt and its unsharded KV (deterministic in the preset and --seed), the ranks'
-caches, and the byte-by-byte comparison of loaded caches with that truth."""
+"""The prompt and its unsharded KV and state (deterministic in the preset and --seed), the
+ranks' caches, and the byte-by-byte comparison of what a rank loaded with that truth."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from layouts import LayerSpec
+import numpy as np
+import torch
 
+from layouts.spec import element_size
+
+from ..engine.hybrid import state_shard
 from ..units.token_keys import block_keys
 from .config import DemoConfig
 
@@ -15,45 +19,27 @@ VOCAB = 128256  # token ids of the prompt are drawn from a Llama-3-sized vocabul
 
 def prompt_token_ids(cfg: DemoConfig, block: int):
     """Token ids of block ``block`` of the prompt: deterministic in (seed, block)."""
-    import numpy as np
-
     rng = np.random.default_rng([cfg.seed, 0x70C, block])
     return rng.integers(0, VOCAB, cfg.block_size, dtype=np.int64)
 
 
 def block_hashes(cfg: DemoConfig) -> list[bytes]:
-    """The prompt's block keys: the store's engine-independent chain over the token ids.
-
-    ``token_keys.block_keys`` (``h[i] = sha256(h[i-1] || token ids of block i)``,
-    little-endian int64, from the documented root), so a block's key names its whole
-    prefix and any engine computing keys from the same tokens (the SGLang backend,
-    ``canonical_ops.sglang``) finds what this demo persisted. Model-independent: the
-    store's namespace keeps models apart.
-    """
-    import numpy as np
-
+    """The prompt's block keys: the store's engine-independent chain over the token ids
+    (``token_keys.block_keys``), so any engine keying the same tokens (the SGLang backend)
+    finds what the demo persisted. Model-independent: the namespace keeps models apart."""
     tokens = np.concatenate([prompt_token_ids(cfg, block) for block in range(cfg.prompt_blocks)])
     return block_keys(tokens, cfg.block_size)
 
 
 def _bits_dtype(cfg: DemoConfig):
     """The integer dtype whose bit patterns stand for the KV dtype's values."""
-    import torch
-
-    elem = LayerSpec("full", 1, 1, 1, cfg.dtype, "packed", "NHD").element_size
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[elem]
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[element_size(cfg.dtype)]
 
 
 def truth_layer(cfg: DemoConfig, layer: int, num_blocks: int | None = None):
-    """The unsharded KV of the prompt's first ``num_blocks`` blocks for one layer, as bits.
-
-    Full attention: (blocks, tokens, heads, 2 * head_size) with K then V in the
-    last dim; MLA: (blocks, tokens, latent). Each block's KV is deterministic in
-    (seed, layer, block) alone, as a real model's is in the block's prefix: a
-    shorter or longer prompt has the same KV for the blocks it shares.
-    """
-    import torch
-
+    """The unsharded KV of the prompt's first ``num_blocks`` blocks of KV layer ``layer``,
+    as bits: (blocks, tokens, heads, 2 * head_size), K then V; MLA (blocks, tokens, latent).
+    A block's KV depends on (seed, layer, block) alone, as a real model's on its prefix."""
     bits = _bits_dtype(cfg)
     blocks = cfg.prompt_blocks if num_blocks is None else num_blocks
     if cfg.attention == "mla":
@@ -72,45 +58,29 @@ def truth_layer(cfg: DemoConfig, layer: int, num_blocks: int | None = None):
 
 def allocate_kv(cfg: DemoConfig, tp: int, device, num_layers: int | None = None) -> list:
     """Per-layer caches in the physical layout of (packing, order), as int bit patterns."""
-    import torch
-
-    heads, bs, hs = cfg.heads_per_rank(tp), cfg.block_size, cfg.head_size
+    heads, bs, hs, n = cfg.heads_per_rank(tp), cfg.block_size, cfg.head_size, cfg.gpu_blocks
+    layout = "mla" if cfg.attention == "mla" else f"{cfg.packing} {cfg.order}"
+    physical, order = {  # the physical shape, and the permutation to the logical one
+        "mla": ((n, bs, hs), (0, 1, 2)),
+        "packed NHD": ((n, bs, heads, 2 * hs), (0, 2, 1, 3)),
+        "packed HND": ((n, heads, bs, 2 * hs), (0, 1, 2, 3)),
+        "split NHD": ((n, 2, bs, heads, hs), (0, 1, 2, 3, 4)),
+        "split HND": ((n, 2, heads, bs, hs), (0, 1, 3, 2, 4)),
+    }[layout]
+    layers = cfg.kv_layers if num_layers is None else num_layers
     bits = _bits_dtype(cfg)
-    caches = []
-    for _ in range(cfg.layers if num_layers is None else num_layers):
-        n = cfg.gpu_blocks
-        if cfg.attention == "mla":
-            t = torch.zeros(n, bs, hs, dtype=bits, device=device)
-        elif cfg.packing == "packed":
-            physical = (n, bs, heads, 2 * hs) if cfg.order == "NHD" else (n, heads, bs, 2 * hs)
-            t = torch.zeros(physical, dtype=bits, device=device)
-            t = t.permute(0, 2, 1, 3) if cfg.order == "NHD" else t
-        else:
-            physical = (n, 2, bs, heads, hs) if cfg.order == "NHD" else (n, 2, heads, bs, hs)
-            t = torch.zeros(physical, dtype=bits, device=device)
-            t = t if cfg.order == "NHD" else t.permute(0, 1, 3, 2, 4)
-        caches.append(t)
-    return caches
+    return [torch.zeros(physical, dtype=bits, device=device).permute(order) for _ in range(layers)]
 
 
 def to_cache_blocks(cfg: DemoConfig, logical):
-    """(blocks, tokens, heads, 2 * hs) -> the cache's logical block shape (MLA: unchanged)."""
-    import torch
-
-    if cfg.attention == "mla":
-        return logical
+    """(blocks, tokens, heads, 2 * hs) -> the cache's logical block shape (full attention)."""
     if cfg.packing == "packed":
         return logical.permute(0, 2, 1, 3)  # (blocks, heads, tokens, 2 * hs)
-    hs = cfg.head_size
-    return torch.stack(
-        [logical[..., :hs], logical[..., hs:]], dim=1
-    )  # (blocks, 2, tokens, heads, hs)
+    return torch.stack(logical.split(cfg.head_size, dim=-1), dim=1)  # (blocks, 2, t, h, hs)
 
 
 def from_cache_blocks(cfg: DemoConfig, blocks):
     """Inverse of :func:`to_cache_blocks`: cache blocks -> (blocks, tokens, heads, 2 * hs)."""
-    import torch
-
     if cfg.attention == "mla":
         return blocks
     if cfg.packing == "packed":
@@ -120,29 +90,15 @@ def from_cache_blocks(cfg: DemoConfig, blocks):
 
 def shard_of(cfg: DemoConfig, truth, tp: int, rank: int):
     """This rank's logical view of the truth: its KV heads, shaped like its cache blocks."""
-    if cfg.attention == "mla":
-        return truth
-    return to_cache_blocks(cfg, truth[:, :, cfg.global_heads(tp, rank)])
+    mla = cfg.attention == "mla"
+    return truth if mla else to_cache_blocks(cfg, truth[:, :, cfg.global_heads(tp, rank)])
 
 
-def compare_with_truth(
-    cfg: DemoConfig, tp: int, rank: int, kv: Sequence, blocks, first_layer: int = 0
-) -> dict:
-    """Every byte of the rank's loaded blocks, every layer it holds, against the truth.
-
-    ``kv[i]`` is layer ``first_layer + i``. Returns what was checked (the layer
-    range, blocks, tokens, the global heads of every local head slot) and the
-    differing bytes per (global) layer; the coordinator checks that the readers
-    together covered every layer and head.
-    """
-    import torch
-
-    heads = cfg.global_heads(tp, rank)
-    wrong: dict[int, int] = {}
-    checked = 0
-    slots = set()
-    for index, cache in enumerate(kv):
-        layer = first_layer + index
+def compare_with_truth(cfg: DemoConfig, tp: int, rank: int, kv: Sequence, blocks, first=0) -> dict:
+    """Every byte of the rank's loaded blocks of its KV layers (``kv[i]``: layer
+    ``first_layer + i``) against the truth: what was checked and the wrong bytes per layer."""
+    heads, wrong, checked, slots = cfg.global_heads(tp, rank), {}, 0, set()
+    for layer, cache in enumerate(kv, first):
         got = from_cache_blocks(cfg, cache[blocks])
         truth = truth_layer(cfg, layer, len(blocks)).to(got.device)
         expected = truth if cfg.attention == "mla" else truth[:, :, heads]
@@ -151,28 +107,42 @@ def compare_with_truth(
         checked += nbytes
         if got.shape != expected.shape:
             wrong[layer] = nbytes
-            continue
-        a = got.contiguous().view(torch.uint8)
-        b = expected.contiguous().view(torch.uint8)
-        differing = int((a != b).sum())
-        if differing:
-            wrong[layer] = differing
+        elif n := int((got.contiguous().view(torch.uint8) != expected.view(torch.uint8)).sum()):
+            wrong[layer] = n
     return dict(
-        first_layer=first_layer,
-        end_layer=first_layer + len(kv),
-        layers=len(kv),
-        blocks=len(blocks),
-        tokens=len(blocks) * cfg.block_size,
-        heads=heads,
-        local_head_slots=sorted(slots),
-        bytes_checked=checked,
+        first_layer=first, end_layer=first + len(kv), layers=len(kv),
+        blocks=len(blocks), heads=heads, local_head_slots=sorted(slots), bytes_checked=checked,
         bytes_wrong_by_layer=wrong,
-    )
+    )  # fmt: skip
 
 
 def block_table(cfg: DemoConfig, salt: int):
     """Scattered cache block ids holding the prompt's blocks (one permutation per group)."""
-    import torch
-
     gen = torch.Generator().manual_seed(cfg.seed + 7919 * salt)
     return torch.randperm(cfg.gpu_blocks, generator=gen)[: cfg.prompt_blocks]
+
+
+def state_pairs(cfg: DemoConfig, tp: int, rank: int, states, slot: int) -> list:
+    """(slot bytes, truth bytes) of each state tensor of every (StateWorker, source) of
+    ``states``: a view of the request's slot ``slot`` and the unsharded state of the layer
+    (deterministic in seed and layer) sliced by vLLM's rule (``engine.hybrid.state_shard``)."""
+    out, layers = [], [zip(range(s.first, s.end), w.state_caches) for w, s in states]
+    for layer, pair in (each for layer_pairs in layers for each in layer_pairs):
+        spec, rng = cfg.state_specs()[layer], np.random.default_rng([cfg.seed, 0x57A7E, layer])
+        full = {}
+        for name, dtype, shape, _ in spec.canonical_layout():
+            size = element_size(dtype)
+            raw = rng.bytes(size * shape[0] * shape[1] * shape[2])
+            full[name] = np.frombuffer(raw, dtype=f"<u{size}").reshape(shape)
+        for tensor, data in zip(pair, state_shard(spec, full, tp, rank)):
+            want = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            out.append((tensor[slot].view(torch.uint8).view(-1), want))
+    return out
+
+
+def state_slots(cfg: DemoConfig, tp: int, first: int, end: int) -> list:
+    """A rank's state tensors of state layers ``[first, end)``: (conv, ssm), two slots each."""
+    pairs = [zip(spec.local_shapes(tp), spec.dtypes) for spec in cfg.state_specs()[first:end]]
+    return [
+        tuple(torch.zeros((2, *shape), dtype=getattr(torch, d)) for shape, d in p) for p in pairs
+    ]

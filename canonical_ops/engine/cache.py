@@ -1,58 +1,10 @@
-"""Scheduler-side tiering of one pipeline stage: its region first, then persistent tiers.
+"""Scheduler side of one pipeline stage: its region's pages first, then persistent tiers.
 
-An engine without vLLM keeps recently used canonical pages in a shared CPU
-region (:class:`~.shared_region.SharedOffloadRegion`, bookkept by a
-:class:`~.page_manager.PageManager`) and, behind it, any number of
-*persistent tiers*: a :class:`~.store.FileStore` directory, a
-:class:`~.store.RedisStore` shared by many nodes. :class:`StageCache` is the
-scheduler's view of both for ONE pipeline stage (the layers ``[first, end)``
-it owns; see :func:`pp_layer_range`):
-
-``lookup(hashes)``
-    How many leading blocks are ready in the region, and how many more the
-    tiers can supply (nearest tier first, run by run: a prefix may be half in
-    files, half in Redis).
-``fetch(hashes)``
-    For the blocks only the tiers hold: allocate region pages *filled by a
-    tier* (``PageManager.allocate(..., filler=)``) and submit the tier loads
-    straight into those rows. A page turns ready only when its unit was read
-    and verified (``complete_fill``); a missing, corrupt or failed unit frees
-    the page again (``fail_fill``): a bad block is a miss, never a load.
-``persist(hashes)``
-    Write-through: for each block ready in the region, submit a store of its
-    region row (the stage's unit) to every tier (but the one it came from).
-    The page is pinned until its stores finish, so it is not evicted and
-    reused while a tier reads it.
-``promote(hashes)``
-    For blocks just filled from a farther tier, the same stores into the
-    nearer tiers only (what came from Redis is kept in the local files).
-``poll()``
-    Never blocks: collects finished tier jobs, turns fills ready or free,
-    releases the pins of finished stores, counts everything.
-
-From there, the existing path moves region <-> KV: ranks'
-:class:`~.worker.OffloadWorker` ``load`` / ``store`` by page id. I/O never
-runs on the caller's thread: every tier call here submits a job to the tier's
-bounded pool and returns; a full queue is a refused job (back-pressure), not
-a wait. The engine keeps serving when a tier fails: a tier call that raises,
-a store that fails (full disk) or a load that misses is counted and the
-block is simply not persisted / not fetched.
-
-Tiers
------
-:class:`~.store.tier.PageTier` (a :class:`~.store.FileStore`, a
-:class:`~.store.RedisStore`, or anything shaped like them): ``namespace``,
-``lookup(keys, first, end) -> int``, ``submit_load(key, first, end,
-destination) -> IOJob``, ``submit_store(key, first, payload, position, *,
-end=None) -> IOJob``, ``wait(job, timeout)``, ``metrics()``. A tier that also
-has the batch forms ``submit_loads(items)`` / ``submit_stores(items)`` (items
-``(key, first, end, destination)`` / ``(key, first, payload, position,
-end)``, one job whose ``value`` lists one outcome per item) gets one job per
-call instead of one per block. Block hashes must be keys the tiers accept
-(bytes, str or int: :func:`~.store.normalize_key`).
-
-Thread safety: a StageCache is driven by one scheduler thread (the tiers'
-pool threads only touch region rows and their own jobs).
+:class:`StageCache` drives unit stores (FileStore, RedisStore) for the layers a stage owns,
+a region row being exactly the stage's unit. Every tier call is one batch job per tier and
+call on the tier's pool, so nothing waits for I/O unless given a timeout; a fill is ready
+only once its unit was read and verified (a bad unit is a miss, never a load), and a failing
+tier is counted and skipped, never fatal. One scheduler thread drives a StageCache.
 """
 
 from __future__ import annotations
@@ -68,37 +20,21 @@ import numpy as np
 from ..checks import check_int
 from ..units.jobs import IOJob
 from ..units.namespace import StoreNamespace
+from ..units.tier import LoadItem, StoreItem
 from ..units.unit import as_byte_view, normalize_key
 from .pages import PageCapacityError, PageManager, PageStateError
 
-__all__ = [
-    "FetchResult",
-    "PersistResult",
-    "StageCache",
-    "StageCacheMetrics",
-    "TierCounters",
-    "TierEvent",
-    "TierLookup",
-    "pp_layer_range",
-    "pp_layer_ranges",
-]
+__all__ = ["FetchResult", "PersistResult", "StageCache", "StageCacheMetrics", "TierCounters"]
+__all__ += ["TierEvent", "TierLookup", "pp_layer_range", "pp_layer_ranges"]
+
+_TIER_METHODS = ("submit_lookup", "submit_loads", "submit_stores", "wait")
+_MAX_SEARCHES = 1024  # lookups asked about and not asked again; the oldest are dropped
 
 
 def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Layers ``[first, end)`` of pipeline stage ``pp_rank`` of ``pp_size``: vLLM's split.
-
-    As ``vllm.distributed.utils.get_pp_indices`` without
-    ``VLLM_PP_LAYER_PARTITION``: every stage gets ``num_layers // pp_size``
-    layers, and the ``num_layers % pp_size`` remaining ones go one each to the
-    stages before the last, from the second-to-last backwards (the first and
-    last stages also hold the embedding and the LM head).
-
-    Raises
-    ------
-    ValueError
-        ``pp_size`` larger than ``num_layers`` (a stage without layers) or a
-        rank outside ``[0, pp_size)``.
-    """
+    """Layers ``[first, end)`` of pipeline stage ``pp_rank``: vLLM's ``get_pp_indices``
+    without ``VLLM_PP_LAYER_PARTITION`` (the remainder goes one layer each to the stages
+    before the last, from the second-to-last backwards)."""
     num_layers = check_int("num_layers", num_layers, minimum=1)
     pp_size = check_int("pp_size", pp_size, minimum=1, maximum=num_layers)
     pp_rank = check_int("pp_rank", pp_rank, minimum=0, maximum=pp_size - 1)
@@ -114,51 +50,25 @@ def pp_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     return [pp_layer_range(num_layers, rank, pp_size) for rank in range(pp_size)]
 
 
-# ---------------------------------------------------------------------- records
-
-
 @dataclass(frozen=True)
 class TierLookup:
-    """Where the leading blocks of a request are.
-
-    Attributes
-    ----------
-    in_region : int
-        Leading blocks ready in the region.
-    from_tiers : int
-        Blocks right after those that the tiers can supply (not verified yet:
-        a fetch verifies).
-    sources : tuple[int, ...]
-        For each of those ``from_tiers`` blocks, the index of the tier that has it.
-    """
+    """Leading blocks ready in the region, then how many more the tiers hold (not verified
+    yet) and the tier of each. ``pending``: the tiers have not answered yet; ask again."""
 
     in_region: int
     from_tiers: int
     sources: tuple[int, ...]
+    pending: bool = False
 
     @property
     def total(self) -> int:
-        """Leading blocks available from the region or the tiers."""
         return self.in_region + self.from_tiers
 
 
 @dataclass(frozen=True)
 class FetchResult:
-    """What :meth:`StageCache.fetch` started.
-
-    Attributes
-    ----------
-    submitted : int
-        Tier loads submitted into newly allocated region pages.
-    present : int
-        Blocks already in the region (ready, being stored or being filled).
-    refused : int
-        Blocks not fetched now: the tier refused the job (queue full, closed,
-        failing) or the region had no page to spare.
-    pages : tuple[int | None, ...]
-        Aligned with the fetched blocks (``hashes[in_region:total]``): the
-        region page each is being filled into, None when not submitted.
-    """
+    """Fills submitted, blocks already ``present`` in the region, blocks ``refused`` (a tier
+    refused, or no page to spare), and per fetched block its page (None: not submitted)."""
 
     submitted: int
     present: int
@@ -168,20 +78,8 @@ class FetchResult:
 
 @dataclass(frozen=True)
 class PersistResult:
-    """What :meth:`StageCache.persist` started.
-
-    Attributes
-    ----------
-    submitted : int
-        Tier stores submitted (one per block and tier).
-    not_ready : int
-        Blocks skipped because they are not ready in the region.
-    refused : int
-        Stores refused by a tier (queue full, closed, failing).
-    skipped : int
-        Stores not submitted because the block came from that very tier (for
-        :meth:`StageCache.promote`: per block, the tiers not nearer than its source).
-    """
+    """Stores submitted (one per block and tier), blocks not ready, stores refused, and
+    stores ``skipped`` because the block came from that tier (or, promoting, a nearer one)."""
 
     submitted: int
     not_ready: int
@@ -191,11 +89,7 @@ class PersistResult:
 
 @dataclass(frozen=True)
 class TierEvent:
-    """One block's finished tier operation, as :meth:`StageCache.poll` reports it.
-
-    ``kind`` is ``"fill"`` or ``"store"``; ``status`` is the tier's
-    (``"ok"``, ``"miss"``, ``"error"``, ``"refused"``, ``"cancelled"``).
-    """
+    """One block's finished ``"fill"`` or ``"store"`` with the tier's status and detail."""
 
     kind: str
     block_hash: Hashable
@@ -207,24 +101,8 @@ class TierEvent:
 
 @dataclass(frozen=True)
 class TierCounters:
-    """What one stage did with one tier (a snapshot; the tier's own counters are apart).
-
-    Attributes
-    ----------
-    name : str
-    lookup_hit_blocks : int
-        Blocks this tier was chosen to supply by :meth:`StageCache.lookup`.
-    fills_submitted, fills_ok, fills_missed, fills_failed, fills_refused : int
-        Region pages filled from this tier: submitted, verified and ready
-        (hits), absent or corrupt (misses), I/O errors, refused.
-    bytes_filled : int
-    stores_submitted, stores_ok, stores_failed, stores_refused : int
-        Region rows persisted to this tier (ok includes "already stored").
-    bytes_stored : int
-    errors : int
-        Tier calls that raised (the tier is failing; the engine went on).
-    last_error : str
-    """
+    """What one stage did with one tier; fills missed: absent, corrupt or past the deadline.
+    ``errors``: tier calls that raised or lookups that failed; ``last_error``: the latest."""
 
     name: str
     lookup_hit_blocks: int = 0
@@ -245,19 +123,7 @@ class TierCounters:
 
 @dataclass(frozen=True)
 class StageCacheMetrics:
-    """A snapshot of a :class:`StageCache`.
-
-    Attributes
-    ----------
-    layers : tuple[int, int]
-    lookup_blocks : int
-        Blocks asked about by :meth:`StageCache.lookup`.
-    region_hit_blocks, tier_hit_blocks, miss_blocks : int
-        Of those: ready in the region, suppliable by a tier, neither.
-    fills_in_flight, stores_in_flight : int
-    tiers : tuple[TierCounters, ...]
-        This stage's counters per tier, in tier order.
-    """
+    """A snapshot: blocks looked up and where they were found, jobs in flight, per tier."""
 
     layers: tuple[int, int]
     lookup_blocks: int
@@ -268,60 +134,37 @@ class StageCacheMetrics:
     stores_in_flight: int
     tiers: tuple[TierCounters, ...]
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+@dataclass
+class _Op:  # one block's part of a submitted fill or store
+    block_hash: Hashable
+    page: int
+    generation: int
+    position: int = 0
 
 
-class _Op:
-    """One block's part of a submitted tier job."""
-
-    __slots__ = ("block_hash", "generation", "nbytes", "page", "position")
-
-    def __init__(
-        self, block_hash: Hashable, page: int, generation: int, nbytes: int, position: int = 0
-    ) -> None:
-        self.block_hash, self.page, self.generation = block_hash, page, generation
-        self.nbytes, self.position = nbytes, position
+@dataclass
+class _Flight:  # a submitted batch job and its blocks
+    kind: str
+    tier: int
+    job: IOJob
+    ops: list[_Op]
 
 
-class _Flight:
-    """A submitted tier job and the blocks it carries (one, or a batch)."""
-
-    __slots__ = ("batch", "job", "kind", "ops", "tier")
-
-    def __init__(self, kind: str, tier: int, job: IOJob, ops: list[_Op], batch: bool) -> None:
-        self.kind, self.tier, self.job, self.ops, self.batch = kind, tier, job, ops, batch
-
-
-def _tier_name(tier: Any, index: int) -> str:
-    return f"{index}:{type(tier).__name__}"
-
-
-# ---------------------------------------------------------------------- the cache
+@dataclass
+class _Search:  # a lookup past the region: blocks found so far, this round's jobs
+    keys: tuple[Hashable, ...]
+    position: int = 0
+    sources: list[int] = dataclasses.field(default_factory=list)
+    jobs: list[IOJob | None] | None = None
 
 
 class StageCache:
-    """Region pages of one pipeline stage, backed by persistent tiers (see the module docstring).
+    """Region pages of one pipeline stage (``layers = (first, end)``), backed by tiers.
 
-    Parameters
-    ----------
-    manager : PageManager
-        The stage's page bookkeeping; page ``p`` is region row ``p``.
-    region : SharedOffloadRegion | torch.Tensor | numpy.ndarray
-        The stage's region (an object with ``.tensor``), or its rows: uint8,
-        ``(manager.num_pages, row_bytes)``, C-contiguous, in CPU memory
-        (pinned is fine). A row is exactly the stage's unit:
-        ``namespace.layer_bytes(first, end)`` bytes.
-    layers : tuple[int, int]
-        ``(first, end)``: the stage's layers (:func:`pp_layer_range`).
-    namespace : StoreNamespace
-        Built from ALL layers of the model (every stage builds the same one);
-        every tier must use it.
-    tiers : sequence of tiers
-        Persistent tiers, looked up in order (e.g. a FileStore, then Redis).
-        The cache never closes them (several stages may share one tier).
-    names : sequence of str, optional
-        Tier names for metrics and events (default ``"<index>:<class>"``).
+    ``region``: a region (``.tensor``) or its rows, uint8 ``(manager.num_pages, row_bytes)``
+    in CPU memory, row ``p`` holding page ``p``. ``namespace``: built from ALL layers of the
+    model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here.
     """
 
     def __init__(
@@ -342,45 +185,40 @@ class StageCache:
             raise TypeError(f"layers: expected (first, end), got {layers!r}")
         first = check_int("layers[0]", layers[0], minimum=0, maximum=namespace.num_layers - 1)
         end = check_int("layers[1]", layers[1], minimum=first + 1, maximum=namespace.num_layers)
-        self.manager = manager
-        self.namespace = namespace
+        self.manager, self.namespace = manager, namespace
         self.first, self.end = first, end
         self.row_bytes = namespace.layer_bytes(first, end)
         self.tiers = list(tiers)
         for i, tier in enumerate(self.tiers):
-            missing = [
-                m for m in ("lookup", "submit_load", "submit_store", "wait") if not hasattr(tier, m)
-            ]
+            missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]
             if missing:
-                raise TypeError(f"tiers[{i}]: expected a tier (FileStore-like), lacks {missing}")
-            tier_ns = getattr(tier, "namespace", None)
-            if not isinstance(tier_ns, StoreNamespace) or tier_ns.digest != namespace.digest:
+                raise TypeError(f"tiers[{i}]: expected a unit store, lacks {missing}")
+            theirs = getattr(tier, "namespace", None)
+            if not isinstance(theirs, StoreNamespace) or theirs.digest != namespace.digest:
+                got = theirs.hex[:16] + "..." if isinstance(theirs, StoreNamespace) else theirs
                 raise ValueError(
-                    f"tiers[{i}]: expected a tier of namespace {namespace.hex[:16]}..., got "
-                    f"{tier_ns.hex[:16] + '...' if isinstance(tier_ns, StoreNamespace) else tier_ns!r}"
+                    f"tiers[{i}]: expected a tier of namespace {namespace.hex[:16]}..., got {got!r}"
                 )
-        if names is None:
-            names = [_tier_name(tier, i) for i, tier in enumerate(self.tiers)]
-        names = list(names)
-        if len(names) != len(self.tiers) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"names: expected {len(self.tiers)} non-empty names, got {names!r}")
-        if len(set(names)) != len(names):
-            raise ValueError(f"names: expected distinct names, got {names!r}")
-        self.names = names
-        self.rows = self._rows(region)
+        self.names = [f"{i}:{type(t).__name__}" for i, t in enumerate(self.tiers)]
+        if names is not None:
+            self.names = list(names)
+            if len(set(names)) != len(self.tiers) or not all(
+                isinstance(n, str) and n for n in names
+            ):
+                raise ValueError(
+                    f"names: expected {len(self.tiers)} distinct non-empty names, got {names!r}"
+                )
+        self.rows: np.ndarray | None = self._rows(region)
         self._filler = f"stage[{first},{end})"
-        self._counts = [dict.fromkeys(self._counter_names(), 0) for _ in self.tiers]
+        fields = [f.name for f in dataclasses.fields(TierCounters)][1:-1]
+        self._counts = [dict.fromkeys(fields, 0) for _ in self.tiers]
         self._last_error = [""] * len(self.tiers)
-        self._lookup = dict(blocks=0, region=0, tiers=0, misses=0)
+        self._lookup_counts = dict(blocks=0, region=0, tiers=0, misses=0)
         self._flights: list[_Flight] = []
-        # page -> (generation, tier index) of pages filled from a tier: never stored back there.
+        self._searches: dict[tuple[Hashable, ...], _Search] = {}
+        self._orphans: list[tuple[int, IOJob]] = []  # lookup jobs nobody waits for any more
+        # page -> (generation, tier) of pages filled from a tier: never stored back there.
         self._origin: dict[int, tuple[int, int]] = {}
-
-    @staticmethod
-    def _counter_names() -> list[str]:
-        return [
-            f.name for f in dataclasses.fields(TierCounters) if f.name not in ("name", "last_error")
-        ]
 
     def _rows(self, region: Any) -> np.ndarray:
         tensor = getattr(region, "tensor", region)
@@ -388,19 +226,18 @@ class StageCache:
             flat = as_byte_view(tensor, writable=True, name="region")
         except (TypeError, ValueError) as error:
             raise type(error)(
-                f"region: expected a region or its uint8 rows in CPU memory ({error})"
+                f"region: expected a region or its uint8 CPU rows ({error})"
             ) from None
-        shape = tuple(getattr(tensor, "shape", ()))
-        expected = (self.manager.num_pages, self.row_bytes)
+        shape, expected = (
+            tuple(getattr(tensor, "shape", ())),
+            (self.manager.num_pages, self.row_bytes),
+        )
         if shape != expected or len(flat) != expected[0] * expected[1]:
             raise ValueError(
-                f"region: expected rows of shape {expected} (one per page of the manager, each "
-                f"the stage's layers [{self.first}, {self.end}): {self.row_bytes} bytes), got "
-                f"{shape}"
+                f"region: expected rows of shape {expected} (a page of the manager each, the "
+                f"stage's layers [{self.first}, {self.end}): {self.row_bytes} bytes), got {shape}"
             )
         return np.frombuffer(flat, dtype=np.uint8).reshape(expected)
-
-    # ------------------------------------------------------------------ helpers
 
     @staticmethod
     def _hashes(hashes: Any) -> list[Hashable]:
@@ -414,99 +251,115 @@ class StageCache:
                 raise type(error)(f"hashes[{i}]: {error}") from None
         return out
 
-    def _failed_call(self, tier: int, error: BaseException) -> None:
+    def _failed(self, tier: int, what: str) -> None:
         self._counts[tier]["errors"] += 1
-        self._last_error[tier] = f"{type(error).__name__}: {error}"
+        self._last_error[tier] = what
+
+    def _check_open(self) -> None:
+        if self.rows is None:
+            raise RuntimeError("StageCache is closed")
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout!r}")
+        return time.monotonic() + timeout
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, hashes: Sequence[Hashable]) -> TierLookup:
-        """Leading blocks ready in the region, then how many more the tiers hold.
-
-        Region pages of the ready prefix are touched (recency), as
-        :meth:`PageManager.lookup` does. Past it, each tier is asked for the
-        prefix it holds of the stage's layers; the longest answer wins, and
-        the search goes on after it (tiers may hold different stretches). A
-        tier whose lookup raises counts as holding nothing.
-
-        Parameters
-        ----------
-        hashes : sequence of bytes | str | int
-            Block hashes of consecutive blocks, first block first.
-        """
+    def lookup(self, hashes: Sequence[Hashable], *, timeout: float | None = 0.0) -> TierLookup:
+        """Leading blocks ready in the region, then how many more the tiers hold: each round
+        asks every tier at once, the nearest with an answer supplies that run, and the next
+        round asks from there. ``pending`` until they answered (``timeout``: seconds to wait,
+        None: until then); a tier whose lookup fails holds nothing."""
         self._check_open()
         hashes = self._hashes(hashes)
+        deadline = self._deadline(timeout)
         in_region = self.manager.lookup(hashes)
-        position, sources = in_region, []
-        while position < len(hashes) and self.tiers:
-            # Nearest tier first (local files before a shared server): a farther tier is
-            # asked only where every nearer one stops.
-            run, source = 0, -1
-            rest = hashes[position:]
-            for t, tier in enumerate(self.tiers):
-                try:
-                    found = int(tier.lookup(rest, self.first, self.end))
-                except Exception as error:  # a failing tier holds nothing; the engine goes on
-                    self._failed_call(t, error)
-                    continue
-                if found > 0:
-                    run, source = min(found, len(rest)), t
-                    break
-            if run == 0:
-                break
-            self._counts[source]["lookup_hit_blocks"] += run
-            sources += [source] * run
-            position += run
-        self._lookup["blocks"] += len(hashes)
-        self._lookup["region"] += in_region
-        self._lookup["tiers"] += len(sources)
-        self._lookup["misses"] += len(hashes) - in_region - len(sources)
+        rest = tuple(hashes[in_region:])
+        sources: list[int] = []
+        if rest and self.tiers:
+            search = self._searches.pop(rest, None) or _Search(rest)
+            if not self._advance(search, deadline):
+                self._searches[rest] = search  # most recent last
+                while len(self._searches) > _MAX_SEARCHES:
+                    self._drop(self._searches.pop(next(iter(self._searches))))
+                return TierLookup(in_region, 0, (), pending=True)
+            sources = search.sources
+        c = self._lookup_counts
+        c["blocks"] += len(hashes)
+        c["region"] += in_region
+        c["tiers"] += len(sources)
+        c["misses"] += len(hashes) - in_region - len(sources)
         return TierLookup(in_region, len(sources), tuple(sources))
+
+    def _advance(self, search: _Search, deadline: float | None) -> bool:
+        """Move ``search`` on as far as the tiers answered; True once complete."""
+        while search.position < len(search.keys):
+            rest = search.keys[search.position :]
+            if search.jobs is None:
+                search.jobs = []
+                for t, tier in enumerate(self.tiers):
+                    try:
+                        search.jobs.append(tier.submit_lookup(rest, self.first, self.end))
+                    except Exception as error:  # a failing tier holds nothing
+                        self._failed(t, f"{type(error).__name__}: {error}")
+                        search.jobs.append(None)
+            for t, job in enumerate(search.jobs):
+                if job is None:
+                    continue
+                if not self._wait(t, job, deadline):
+                    return False
+                search.jobs[t] = None
+                if job.status in ("error", "expired"):
+                    self._failed(t, f"lookup {job.status}: {job.detail}")
+                found = min(int(job.value or 0), len(rest)) if job.status == "ok" else 0
+                if found > 0:
+                    self._drop(search)  # the farther tiers' answers are not needed
+                    self._counts[t]["lookup_hit_blocks"] += found
+                    search.sources += [t] * found
+                    search.position += found
+                    break
+            else:
+                return True  # no tier holds the next block
+        return True
+
+    def _wait(self, tier: int, job: IOJob, deadline: float | None) -> bool:
+        """Collect ``job`` from its tier once finished, waiting until ``deadline``."""
+        if not job.done and deadline is not None and time.monotonic() >= deadline:
+            return False
+        try:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.tiers[tier].wait(job, remaining if not job.done else 0)
+        except TimeoutError:
+            return False
+        return True
+
+    def _drop(self, search: _Search) -> None:
+        """Leave the search's unanswered jobs to :meth:`poll` to collect."""
+        for t, job in enumerate(search.jobs or ()):
+            if job is not None:
+                self._orphans.append((t, job))
+        search.jobs = None
 
     # ------------------------------------------------------------------ fetch
 
-    def _allocate_fills(self, targets: list[Hashable]) -> list[int | None]:
-        """Fill pages for the longest prefix of ``targets`` the region can hold now."""
-        count = len(targets)
-        while count > 0:
-            try:
-                pages = self.manager.allocate(targets[:count], filler=self._filler)
-            except PageCapacityError as error:
-                available = error.free + error.expired + error.evictable
-                count -= max(1, error.needed - available)
-                continue
-            return pages + [None] * (len(targets) - count)
-        return [None] * len(targets)
-
-    def fetch(self, hashes: Sequence[Hashable], found: TierLookup | None = None) -> FetchResult:
-        """Start filling region pages from the tiers for the blocks only the tiers hold.
-
-        Parameters
-        ----------
-        hashes : sequence of bytes | str | int
-            Block hashes of consecutive blocks, first block first (as for
-            :meth:`lookup`).
-        found : TierLookup, optional
-            This call's :meth:`lookup` result, to avoid asking the tiers twice;
-            default: look up now.
-
-        Returns
-        -------
-        FetchResult
-            The pages turn ready (or free, on a miss) in later :meth:`poll`
-            calls; ``PageManager.lookup`` then reports the ready prefix.
-
-        Notes
-        -----
-        Pages are allocated like any other (free first, then least recently
-        used ready pages); when the region cannot hold every block, the
-        leading ones are fetched. A block already present in the region
-        (ready, being stored or filled) is not fetched again.
-        """
+    def fetch(
+        self,
+        hashes: Sequence[Hashable],
+        found: TierLookup | None = None,
+        *,
+        timeout: float | None = 0.0,
+    ) -> FetchResult:
+        """Fill region pages from the tiers for the blocks ``found`` (default: :meth:`lookup`
+        now) says only they hold, as many leading ones as the region can take; the pages turn
+        ready (or free, on a miss) in :meth:`poll`."""
         self._check_open()
         hashes = self._hashes(hashes)
         if found is None:
-            found = self.lookup(hashes)
+            found = self.lookup(hashes, timeout=timeout)
         elif not isinstance(found, TierLookup):
             raise TypeError(f"found: expected a TierLookup, got {type(found).__name__}")
         if found.total > len(hashes):
@@ -515,100 +368,76 @@ class StageCache:
             )
         targets = hashes[found.in_region : found.total]
         pages = self._allocate_fills(targets)
-        present = refused = submitted = 0
+        present = refused = 0
         by_tier: dict[int, list[_Op]] = {}
         for block_hash, page, source in zip(targets, pages, found.sources):
-            if page is None:
-                if self.manager.page_of(block_hash) is not None:
-                    present += 1
-                else:
-                    refused += 1  # no page to spare now
+            if page is None:  # present (stored or filled) already, or no page to spare now
+                present += self.manager.page_of(block_hash) is not None
+                refused += self.manager.page_of(block_hash) is None
                 continue
-            op = _Op(block_hash, page, self.manager.generation(page), self.row_bytes)
+            op = _Op(block_hash, page, self.manager.generation(page))
             by_tier.setdefault(source, []).append(op)
         placed: set[int] = set()
-        for tier_index, ops in by_tier.items():
-            accepted = self._submit_fills(tier_index, ops)
-            submitted += len(accepted)
-            refused += len(ops) - len(accepted)
-            placed.update(op.page for op in accepted)
-        pages_out = tuple(p if p is not None and p in placed else None for p in pages)
-        return FetchResult(submitted, present, refused, pages_out)
-
-    def _submit_fills(self, tier_index: int, ops: list[_Op]) -> list[_Op]:
-        """Submit loads of ``ops`` into their rows; pages of refused ones are freed at once."""
-        tier = self.tiers[tier_index]
-        counts = self._counts[tier_index]
-        counts["fills_submitted"] += len(ops)
-        items = [(op.block_hash, self.first, self.end, self.rows[op.page]) for op in ops]
-        flights: list[_Flight] = []
-        try:
-            if hasattr(tier, "submit_loads") and len(ops) > 1:
-                flights.append(_Flight("fill", tier_index, tier.submit_loads(items), ops, True))
+        for t, ops in by_tier.items():
+            items = [
+                LoadItem(op.block_hash, self.first, self.end, self.rows[op.page]) for op in ops
+            ]
+            if self._submit("fill", t, ops, items):
+                placed.update(op.page for op in ops)
             else:
-                for op, item in zip(ops, items):
-                    flights.append(
-                        _Flight("fill", tier_index, tier.submit_load(*item), [op], False)
-                    )
-        except Exception as error:  # a failing tier: what was not submitted is a miss now
-            self._failed_call(tier_index, error)
-        accepted: list[_Op] = []
-        for flight in flights:
-            if flight.job.status == "refused":
-                for op in flight.ops:
-                    self._end_fill(tier_index, op, ok=False)
-                counts["fills_refused"] += len(flight.ops)
-                continue
-            self._flights.append(flight)
-            accepted += flight.ops
-        submitted = {id(op) for flight in flights for op in flight.ops}
-        for op in ops:
-            if id(op) not in submitted:  # the call raised before this one was submitted
-                self._end_fill(tier_index, op, ok=False)
-                counts["fills_refused"] += 1
-        return accepted
+                refused += len(ops)
+        out = tuple(p if p in placed else None for p in pages)
+        return FetchResult(len(placed), present, refused, out)
 
-    def _end_fill(self, tier_index: int, op: _Op, *, ok: bool) -> None:
-        # Fills end only here, exactly once: a PageStateError would be a bug, let it out.
-        if ok:
-            self.manager.complete_fill(op.page, generation=op.generation)
-            self._origin[op.page] = (op.generation, tier_index)
+    def _allocate_fills(self, targets: list[Hashable]) -> list[int | None]:
+        """Fill pages for the longest prefix of ``targets`` the region can hold now."""
+        count = len(targets)
+        while count > 0:
+            try:
+                pages = self.manager.allocate(targets[:count], filler=self._filler)
+            except PageCapacityError as error:
+                count -= max(1, error.needed - error.free - error.evictable)
+                continue
+            return pages + [None] * (len(targets) - count)
+        return [None] * len(targets)
+
+    def _submit(self, kind: str, tier: int, ops: list[_Op], items: list[Any]) -> bool:
+        """One batch job of ``items`` on ``tier``; on refusal or a raising tier, undo the ops
+        (fills freed, store pins dropped) and return False."""
+        counts = self._counts[tier]
+        counts[f"{kind}s_submitted"] += len(ops)
+        try:
+            store = self.tiers[tier]
+            job = store.submit_loads(items) if kind == "fill" else store.submit_stores(items)
+        except Exception as error:  # a failing tier: nothing of this is done now
+            self._failed(tier, f"{type(error).__name__}: {error}")
+            job = None
+        if job is not None and not job.refused:
+            self._flights.append(_Flight(kind, tier, job, ops))
+            return True
+        counts[f"{kind}s_refused"] += len(ops)
+        if kind == "fill":
+            for op in ops:
+                self.manager.fail_fill(op.page, generation=op.generation)
         else:
-            self.manager.fail_fill(op.page, generation=op.generation)
+            self.manager.release([op.page for op in ops])
+        return False
 
     # ------------------------------------------------------------------ persist
 
     def persist(
         self, hashes: Sequence[Hashable], positions: Sequence[int] | None = None
     ) -> PersistResult:
-        """Write-through: store the region row of every ready block to every tier.
-
-        Parameters
-        ----------
-        hashes : sequence of bytes | str | int
-            Block hashes (any blocks; those not ready in the region are skipped).
-        positions : sequence of int, optional
-            Each block's index in its sequence (tail-first eviction in the
-            tiers); default ``0, 1, ...``: ``hashes`` is a request's prefix.
-
-        Returns
-        -------
-        PersistResult
-            The stores finish in later :meth:`poll` calls; until then each
-            page is pinned (not evicted, not reused).
-        """
+        """Write-through: store the row of every ready block to every tier but the one it
+        came from. ``positions``: each block's index in its sequence (tails are evicted
+        first; default ``0, 1, ...``). Each page stays pinned until its stores finish."""
         return self._write_through(hashes, positions, nearer_only=False)
 
     def promote(
         self, hashes: Sequence[Hashable], positions: Sequence[int] | None = None
     ) -> PersistResult:
-        """Copy blocks filled from a farther tier into the nearer ones (e.g. Redis hits into
-        the local files), so that the next restart of this node finds them without the network.
-
-        Only pages filled by :meth:`fetch` from tier ``t`` (and not reused since) are
-        stored, and only to tiers ``0 .. t-1``; every other block counts as ``skipped``
-        (nothing to promote) or ``not_ready``. Parameters and result as :meth:`persist`.
-        """
+        """Store blocks filled from tier ``t`` into tiers ``0 .. t-1`` only (e.g. Redis hits
+        into the local files, for the next restart); other blocks are skipped."""
         return self._write_through(hashes, positions, nearer_only=True)
 
     def _write_through(
@@ -616,18 +445,16 @@ class StageCache:
     ) -> PersistResult:
         self._check_open()
         hashes = self._hashes(hashes)
-        if positions is None:
-            positions = range(len(hashes))
         positions = [
             check_int(f"positions[{i}]", p, minimum=0, maximum=(1 << 63) - 1)
-            for i, p in enumerate(positions)
+            for i, p in enumerate(range(len(hashes)) if positions is None else positions)
         ]
         if len(positions) != len(hashes):
             raise ValueError(
                 f"positions: expected one per hash ({len(hashes)}), got {len(positions)}"
             )
-        not_ready = refused = skipped = submitted = 0
-        per_tier: dict[int, list[tuple[_Op, int]]] = {}
+        not_ready = skipped = 0
+        per_tier: dict[int, list[_Op]] = {}
         for block_hash, position in zip(hashes, positions):
             page = self.manager.page_of(block_hash)
             if page is None or self.manager.state(page) != "ready":
@@ -641,181 +468,118 @@ class StageCache:
                 skipped += len(self.tiers) - len(targets)
             else:
                 targets = [t for t in range(len(self.tiers)) if t != source]
-                skipped += source is not None  # it came from there
+                skipped += source is not None
             for t in targets:
                 try:
                     self.manager.acquire([block_hash])  # pinned while the tier reads the row
                 except PageStateError:
                     not_ready += 1
                     break
-                op = _Op(block_hash, page, generation, self.row_bytes, position)
-                per_tier.setdefault(t, []).append((op, position))
-        for t, entries in per_tier.items():
-            accepted = self._submit_stores(t, entries)
-            submitted += accepted
-            refused += len(entries) - accepted
-        return PersistResult(submitted, not_ready, refused, skipped)
-
-    def _submit_stores(self, tier_index: int, entries: list[tuple[_Op, int]]) -> int:
-        tier = self.tiers[tier_index]
-        counts = self._counts[tier_index]
-        counts["stores_submitted"] += len(entries)
-        flights: list[_Flight] = []
-        try:
-            if hasattr(tier, "submit_stores") and len(entries) > 1:
-                items = [
-                    (op.block_hash, self.first, self.rows[op.page], pos, self.end)
-                    for op, pos in entries
-                ]
-                job = tier.submit_stores(items)
-                flights.append(_Flight("store", tier_index, job, [op for op, _ in entries], True))
+                per_tier.setdefault(t, []).append(_Op(block_hash, page, generation, position))
+        submitted = refused = 0
+        for t, ops in per_tier.items():
+            items = [
+                StoreItem(op.block_hash, self.first, self.rows[op.page], op.position, self.end)
+                for op in ops
+            ]
+            if self._submit("store", t, ops, items):
+                submitted += len(ops)
             else:
-                for op, pos in entries:
-                    job = tier.submit_store(
-                        op.block_hash, self.first, self.rows[op.page], pos, end=self.end
-                    )
-                    flights.append(_Flight("store", tier_index, job, [op], False))
-        except Exception as error:  # a failing tier: the rest is not persisted now
-            self._failed_call(tier_index, error)
-        accepted = 0
-        submitted = {id(op) for flight in flights for op in flight.ops}
-        for flight in flights:
-            if flight.job.status == "refused":
-                self.manager.release([op.page for op in flight.ops])
-                counts["stores_refused"] += len(flight.ops)
-                continue
-            self._flights.append(flight)
-            accepted += len(flight.ops)
-        unsent = [op.page for op, _ in entries if id(op) not in submitted]
-        if unsent:
-            self.manager.release(unsent)
-            counts["stores_refused"] += len(unsent)
-        return accepted
+                refused += len(ops)
+        return PersistResult(submitted, not_ready, refused, skipped)
 
     # ------------------------------------------------------------------ completion
 
     def poll(self) -> list[TierEvent]:
-        """Collect finished tier jobs (never blocks): fills turn ready or free, pins drop.
-
-        Returns
-        -------
-        list[TierEvent]
-            One per block whose fill or store finished since the last poll.
-        """
+        """Collect finished jobs (never blocks): fills turn ready or free, store pins drop.
+        One event per block whose fill or store finished since the last poll."""
         self._check_open()
         events: list[TierEvent] = []
-        still: list[_Flight] = []
         unpin: list[_Op] = []
+        still: list[_Flight] = []
         for flight in self._flights:
             if not flight.job.done:
                 still.append(flight)
                 continue
-            # Collect it from the tier's pool (a pool shared by several stages or tiers
-            # returns every job from its own poll(): each stage waits for exactly its own).
+            # Collected from the tier's pool by its own waiter (pools may be shared).
             self.tiers[flight.tier].wait(flight.job, 0)
             events += self._finish(flight, unpin)
         self._flights = still
-        if unpin:
-            # One release for all: pages of a prefix equally recent, its tail evicted first.
+        if unpin:  # one release: a prefix's pages equally recent, its tail evicted first
             self.manager.release([op.page for op in sorted(unpin, key=lambda op: op.position)])
+        orphans = []
+        for t, job in self._orphans:
+            if job.done:
+                self.tiers[t].wait(job, 0)
+            else:
+                orphans.append((t, job))
+        self._orphans = orphans
         return events
 
-    def _outcomes(self, flight: _Flight) -> list[tuple[str, str, int]]:
-        """(status, detail, nbytes) per block of a finished job."""
-        job = flight.job
-        if flight.batch and isinstance(job.value, list) and len(job.value) == len(flight.ops):
-            return [
-                (getattr(o, "status", "error"), getattr(o, "detail", ""), getattr(o, "nbytes", 0))
-                for o in job.value
-            ]
-        if flight.batch:  # the whole batch failed before per-item outcomes existed
-            status = job.status if job.status != "ok" else "error"
-            return [(status, job.detail, 0)] * len(flight.ops)
-        return [(job.status, job.detail, job.nbytes)]
-
     def _finish(self, flight: _Flight, unpin: list[_Op]) -> list[TierEvent]:
-        counts = self._counts[flight.tier]
-        name = self.names[flight.tier]
+        job, kind, counts = flight.job, flight.kind, self._counts[flight.tier]
+        if isinstance(job.value, list) and len(job.value) == len(flight.ops):
+            outcomes = [(o.status, o.detail, o.nbytes) for o in job.value]
+        else:  # the whole job failed (expired, error) before per-item outcomes existed
+            outcomes = [("error" if job.ok else job.status, job.detail, 0)] * len(flight.ops)
         events = []
-        for op, (status, detail, nbytes) in zip(flight.ops, self._outcomes(flight)):
-            if flight.kind == "fill":
-                ok = status == "ok"
-                self._end_fill(flight.tier, op, ok=ok)
-                if ok:
-                    counts["fills_ok"] += 1
-                    counts["bytes_filled"] += op.nbytes
-                elif status == "miss":
-                    counts["fills_missed"] += 1
-                elif status in ("refused", "cancelled"):
-                    counts["fills_refused"] += 1
-                else:
-                    counts["fills_failed"] += 1
+        for op, (status, detail, nbytes) in zip(flight.ops, outcomes):
+            if kind == "fill":
+                end = self.manager.complete_fill if status == "ok" else self.manager.fail_fill
+                end(op.page, generation=op.generation)
+                if status == "ok":
+                    self._origin[op.page] = (op.generation, flight.tier)
+                nbytes = self.row_bytes
             else:
                 unpin.append(op)
-                if status == "ok":
-                    counts["stores_ok"] += 1
-                    counts["bytes_stored"] += nbytes
-                elif status in ("refused", "cancelled"):
-                    counts["stores_refused"] += 1
-                else:
-                    counts["stores_failed"] += 1
-            events.append(TierEvent(flight.kind, op.block_hash, op.page, name, status, detail))
+            if status == "ok":
+                counts[f"{kind}s_ok"] += 1
+                counts["bytes_filled" if kind == "fill" else "bytes_stored"] += nbytes
+            else:
+                counts[_FAILURES.get((kind, status), f"{kind}s_failed")] += 1
+            name = self.names[flight.tier]
+            events.append(TierEvent(kind, op.block_hash, op.page, name, status, detail))
         return events
 
     @property
     def in_flight(self) -> int:
-        """Blocks whose tier fill or store has not been collected by :meth:`poll` yet."""
+        """Blocks whose fill or store :meth:`poll` has not collected yet."""
         return sum(len(flight.ops) for flight in self._flights)
 
     def drain(self, timeout: float | None = None) -> list[TierEvent]:
-        """Block until every submitted tier job finished, then :meth:`poll`.
-
-        For shutdown and tools (a scheduler loop calls :meth:`poll`).
-
-        Raises
-        ------
-        TimeoutError
-            Jobs still running after ``timeout`` seconds (they stay in flight).
-        """
+        """Wait until every submitted fill and store finished, then :meth:`poll` (shutdown
+        and tools; a scheduler loop polls). TimeoutError after ``timeout`` seconds."""
         self._check_open()
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        deadline = self._deadline(timeout)
         for flight in list(self._flights):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self.tiers[flight.tier].wait(flight.job, remaining)
-            except TimeoutError:
+            if not self._wait(flight.tier, flight.job, deadline):
                 raise TimeoutError(
                     f"{self.in_flight} tier operation(s) of layers [{self.first}, {self.end}) "
                     f"still running after {timeout} s"
-                ) from None
+                )
         return self.poll()
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for every tier job (their I/O reads or writes the rows), then drop the rows.
-
-        The tiers are not closed (they may be shared); close the region after
-        this. Idempotent.
-        """
+        """Wait for every fill and store (their I/O uses the rows), then drop the rows; the
+        tiers stay open (close the region after this). Idempotent."""
         if self.rows is None:
             return
         self.drain(timeout)
+        for search in self._searches.values():
+            self._drop(search)
+        self._searches.clear()
         self.rows = None
 
-    def _check_open(self) -> None:
-        if self.rows is None:
-            raise RuntimeError("StageCache is closed")
-
-    # ------------------------------------------------------------------ metrics
-
     def metrics(self) -> StageCacheMetrics:
-        """This stage's counters (per tier); the tiers' own counters: ``tier.metrics()``."""
+        """This stage's counters, per tier (each tier's own: ``tier.metrics()``)."""
         fills = sum(len(f.ops) for f in self._flights if f.kind == "fill")
+        c = self._lookup_counts
         return StageCacheMetrics(
             layers=(self.first, self.end),
-            lookup_blocks=self._lookup["blocks"],
-            region_hit_blocks=self._lookup["region"],
-            tier_hit_blocks=self._lookup["tiers"],
-            miss_blocks=self._lookup["misses"],
+            lookup_blocks=c["blocks"],
+            region_hit_blocks=c["region"],
+            tier_hit_blocks=c["tiers"],
+            miss_blocks=c["misses"],
             fills_in_flight=fills,
             stores_in_flight=self.in_flight - fills,
             tiers=tuple(
@@ -824,8 +588,9 @@ class StageCache:
             ),
         )
 
-    def __repr__(self) -> str:
-        return (
-            f"StageCache(layers=[{self.first}, {self.end}), pages={self.manager.num_pages}, "
-            f"tiers={self.names}, in_flight={self.in_flight})"
-        )
+
+# A status other than "ok" -> the counter it bumps ("expired": past the tier's deadline).
+_FAILURES = {("fill", s): "fills_missed" for s in ("miss", "corrupt", "expired")}
+_FAILURES.update(
+    {(k, s): f"{k}s_refused" for k in ("fill", "store") for s in ("refused", "cancelled")}
+)

@@ -1,32 +1,8 @@
-"""Hybrid models (attention + Mamba / GDN state) for engines without vLLM: the state side.
+"""Hybrid models (attention + Mamba / GDN state) without vLLM: the state side.
 
-A hybrid model's attention layers keep paged KV, stored as KV units exactly as
-for any model (:class:`~.worker.OffloadWorker`, :class:`~.tiers.StageCache`).
-Its state layers keep one fixed-size state per request; that state is stored
-as *state units*: one per (request prefix key, pipeline stage), holding the
-canonical state slot (:mod:`layouts.state`) of each of the stage's state
-layers, in the same tiers under the model's state namespace
-(``namespace.state_units()``: its own digest, so its own directory and keys).
-
-The pieces, one per job:
-
-* :func:`hybrid_namespace`: the model's KV namespace, whose description
-  includes every state layer (a reader with another state geometry misses
-  both kinds); ``.state_units()`` of it keys the state units.
-* :func:`split_stage_layers`: a pipeline stage's model layers ``[first, end)``
-  as its attention range and its state range (each indexes its own kind).
-* :class:`StateWorker`: one rank's state tensors <-> the state region rows,
-  one op call per direction (``canonical_ops.store`` / ``load`` with a plan
-  built once): a request's state slot plays the part of a block.
-* :func:`state_page_manager`: the scheduler-side :class:`~.page_manager.PageManager`
-  of a state region, whose pages turn ready when every elected writer stored.
-* :func:`explain_state_miss`: when state units are missing because the store
-  holds them for another topology and a state kind cannot be resharded, the
-  :class:`~.store.namespace.StateReshardError` that says so.
-
-A :class:`~.tiers.StageCache` over the state rows and ``state_units()`` tiers
-does lookup / fetch / persist / promote for state units as it does for KV
-(block hashes are the requests' prefix keys).
+Each state layer keeps one state per request, stored as a *state unit* per (prefix key,
+pipeline stage): the canonical slot (:mod:`layouts.state`) of each of the stage's state
+layers, under ``namespace.state_units()``; a StageCache moves them as it moves KV units.
 """
 
 from __future__ import annotations
@@ -38,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from layouts import RankContext
@@ -46,6 +23,7 @@ from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mapp
 
 from ..checks import check_int
 from ..plan import make_plan
+from ..units import fsutil
 from ..units.namespace import (
     ModelIdentity,
     StateGeometry,
@@ -55,43 +33,24 @@ from ..units.namespace import (
 )
 from .pages import PageManager
 
-__all__ = [
-    "StateWorker",
-    "explain_state_miss",
-    "hybrid_namespace",
-    "split_stage_layers",
-    "state_group_mappings",
-    "state_page_manager",
-]
+__all__ = ["StateWorker", "explain_state_miss", "hybrid_namespace", "split_stage_layers"]
+__all__ += ["state_group_mappings", "state_page_manager", "state_shard"]
+
+_MAX_NAMESPACE_FILE = 1 << 20  # a namespace.json is a few KiB: bound what is read
 
 
 def split_stage_layers(
     is_state: Sequence[bool], first: int, end: int
 ) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A stage's model layers ``[first, end)`` as ``(attention range, state range)``.
-
-    Parameters
-    ----------
-    is_state : sequence of bool
-        For every model layer, whether it is a state (Mamba / GDN) layer.
-    first, end : int
-        The stage's model layers (e.g. ``tiers.pp_layer_range``).
-
-    Returns
-    -------
-    tuple[tuple[int, int], tuple[int, int]]
-        ``[a, b)`` among the attention layers and ``[s, t)`` among the state
-        layers (each may be empty, ``a == b``).
-    """
+    """A stage's model layers ``[first, end)`` as (attention range, state range), each
+    counted among the layers of its own kind (either may be empty)."""
     kinds = [bool(k) for k in is_state]
     first = check_int("first", first, minimum=0, maximum=max(0, len(kinds) - 1))
     end = check_int("end", end, minimum=first + 1, maximum=len(kinds))
-    states_before = sum(kinds[:first])
-    states_in = sum(kinds[first:end])
+    states_before, states_in = sum(kinds[:first]), sum(kinds[first:end])
     attention_before = first - states_before
-    attention_in = (end - first) - states_in
     return (
-        (attention_before, attention_before + attention_in),
+        (attention_before, attention_before + (end - first) - states_in),
         (states_before, states_before + states_in),
     )
 
@@ -103,27 +62,22 @@ def state_group_mappings(
     tensor_bytes: Sequence[Sequence[int] | None] | None = None,
     layer_names: Sequence[str] | None = None,
 ) -> list[tuple[StateLayerMappings, ...]]:
-    """Every state layer's verified mappings for every rank of ``ctx``'s group.
-
-    ``tensor_bytes[l]`` (each state tensor's bytes per slot on one rank) is
-    needed for a layer that falls back to the opaque mapping.
-    """
+    """Every state layer's verified mappings at every rank of ``ctx``'s group;
+    ``tensor_bytes[l]`` (each state tensor's bytes per slot on a rank) is needed for a
+    layer that falls back to the opaque mapping."""
     if not isinstance(ctx, RankContext):
         raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
-    out = []
-    for layer, spec in enumerate(specs):
-        sizes = None if tensor_bytes is None else tensor_bytes[layer]
-        out.append(
-            derive_state_group_mappings(
-                spec,
-                ctx.tp_size,
-                dcp_size=ctx.dcp_size,
-                pcp_size=ctx.pcp_size,
-                tensor_bytes=sizes,
-                layer_name=layer_names[layer] if layer_names else f"state layer {layer}",
-            )
+    return [
+        derive_state_group_mappings(
+            spec,
+            ctx.tp_size,
+            dcp_size=ctx.dcp_size,
+            pcp_size=ctx.pcp_size,
+            tensor_bytes=None if tensor_bytes is None else tensor_bytes[layer],
+            layer_name=layer_names[layer] if layer_names else f"state layer {layer}",
         )
-    return out
+        for layer, spec in enumerate(specs)
+    ]
 
 
 def hybrid_namespace(
@@ -136,29 +90,10 @@ def hybrid_namespace(
     state_tensor_bytes: Sequence[Sequence[int] | None] | None = None,
     **from_specs: Any,
 ) -> StoreNamespace:
-    """The KV namespace of a hybrid model, its state layers included.
-
-    Parameters
-    ----------
-    model, kv_quant
-        As for ``StoreNamespace.from_specs``.
-    attention_specs : sequence of LayerSpec | None
-        Every attention layer (one rank's page), model order.
-    state_specs : sequence of StateSpec | None
-        Every state layer, model order; None: a state of unknown layout.
-    ctx : RankContext
-        This engine's topology.
-    state_tensor_bytes : sequence, optional
-        Per state layer, each state tensor's bytes per slot on one rank: needed
-        for layers that cannot be resharded (stored opaquely, topology-bound).
-    **from_specs
-        Passed on to ``StoreNamespace.from_specs`` (``fallback_page_sizes``, ...).
-
-    Returns
-    -------
-    StoreNamespace
-        ``unit_kind="kv"``; ``.state_units()`` is the namespace of its state units.
-    """
+    """The KV namespace of a hybrid model with every state layer (None: unknown layout) in
+    it, so another state geometry misses both kinds; ``.state_units()`` keys the state
+    units. ``state_tensor_bytes[l]``: layer ``l``'s tensors' bytes per slot on a rank, needed
+    where it cannot be resharded (stored opaquely). Else as ``StoreNamespace.from_specs``."""
     if isinstance(state_specs, (str, bytes)) or not isinstance(state_specs, Sequence):
         raise TypeError("state_specs: expected a sequence of StateSpec (or None), one per layer")
     if not state_specs:
@@ -182,50 +117,57 @@ def hybrid_namespace(
 
 
 def state_page_manager(
-    num_pages: int, groups: Sequence[Sequence[StateLayerMappings]], **kwargs: Any
+    num_pages: int, groups: Sequence[Sequence[StateLayerMappings]]
 ) -> PageManager:
-    """A :class:`PageManager` for state pages: page ``p`` is ready when every rank
-    elected to write it in any state layer and segment reported it."""
+    """A :class:`PageManager` of state pages: page ``p`` is ready once every rank elected to
+    write it in any state layer and segment reported it."""
     segment_groups = [
         [layer.segments[i].mapping for layer in group]
         for group in groups
         for i in range(len(group[0].segments))
     ]
-    return PageManager.from_mappings(num_pages, segment_groups, **kwargs)
+    return PageManager.from_mappings(num_pages, segment_groups)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(1, size)
-    return tuple(reversed(strides))
+def state_shard(
+    spec: StateSpec, full: dict[str, np.ndarray], tp: int, rank: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(conv, ssm)`` of one slot that ``rank`` of ``tp`` holds, by vLLM's rule: each
+    conv segment's own ``1/tp`` of its units side by side (Mamba2's single group whole on
+    every rank), the SSM heads split. ``full[segment]``: each segment of
+    ``spec.canonical_layout()`` unsharded, ``(outer, channels, inner)``. For tests and demos."""
+    if not isinstance(spec, StateSpec):
+        raise TypeError(f"spec: expected a StateSpec, got {type(spec).__name__}")
+    tp = check_int("tp", tp, minimum=1)
+    rank = check_int("rank", rank, minimum=0, maximum=tp - 1)
+    parts: list[list[np.ndarray]] = [[], []]
+    for seg in spec.segments:
+        if seg.name not in full:
+            raise ValueError(
+                f"full: expected segment {seg.name!r} of {spec.kind}'s canonical layout"
+            )
+        data = full[seg.name]
+        if seg.units % tp == 0:
+            per = seg.channels // tp
+            parts[seg.tensor].append(data[:, rank * per : (rank + 1) * per])
+        elif seg.replicable and seg.units == 1:
+            parts[seg.tensor].append(data)
+        else:
+            raise ValueError(f"tp: {seg.name} has {seg.units} units, which tp={tp} cannot shard")
+    conv = np.concatenate(parts[0], axis=1)  # (outer, channels, inner)
+    ssm = np.concatenate(parts[1], axis=1)
+    # SD: (state_len, channels, 1) -> (state_len, channels); DS: (1, channels, state_len).
+    conv = conv[0] if spec.conv_layout == "DS" else conv[:, :, 0]
+    return conv, ssm[0].reshape(ssm.shape[1], *spec.ssm_head_shape())
 
 
 class StateWorker:
     """One rank's state layers of one pipeline stage <-> the stage's state region rows.
 
-    Parameters
-    ----------
-    state_caches : sequence of (conv, ssm) tensors
-        Per state layer of the stage, its two state tensors, each
-        ``(num_slots, ...)`` with one request's state per slot, the slot
-        contiguous (the slot stride may be larger: padded pages).
-    specs : sequence of StateSpec | None
-        Per state layer; None: a state of unknown layout (stored opaquely).
-    ctx : RankContext
-        This rank and its group.
-    rows : torch.Tensor
-        uint8 ``(num_pages, row_bytes)``: the stage's state region rows, each
-        one state unit (``state_namespace.layer_bytes(first, end)`` bytes).
-
-    Notes
-    -----
-    A certified layer's tensors must be exactly what ``layouts.state`` says
-    this rank holds (dtype, per-slot shape); an opaque one's are stored whole.
-    Stores write only the bytes this rank is an elected writer of (a
-    replicated group: one rank per page, taking turns). Calls are synchronous
-    on CPU; on CUDA they are queued on the current stream.
+    ``state_caches[l]``: layer ``l``'s ``(conv, ssm)``, ``(num_slots, ...)`` with contiguous
+    slots, exactly what ``layouts.state`` says this rank holds (an opaque layer: stored
+    whole). ``rows``: uint8 ``(num_pages, row_bytes)``, a row per state unit. One op call
+    per direction; stores write only the bytes this rank is elected for.
     """
 
     def __init__(
@@ -244,12 +186,12 @@ class StateWorker:
                 f"specs: expected one StateSpec (or None) per state layer ({len(state_caches)}), "
                 f"got {len(specs)}"
             )
-        self.ctx = ctx
-        self.specs = list(specs)
+        self.ctx, self.specs = ctx, list(specs)
         self.state_caches = [tuple(pair) for pair in state_caches]
-        sizes = [self._check_layer(i, spec, pair) for i, (spec, pair) in enumerate(
-            zip(self.specs, self.state_caches)
-        )]  # fmt: skip
+        sizes = [
+            self._check_layer(i, s, p)
+            for i, (s, p) in enumerate(zip(self.specs, self.state_caches))
+        ]
         self.groups = state_group_mappings(self.specs, ctx, tensor_bytes=sizes)
         self.mappings = [group[ctx.rank] for group in self.groups]
         self.row_bytes = sum(layer.canonical_bytes for layer in self.mappings)
@@ -286,14 +228,15 @@ class StateWorker:
             where = f"{name}[{t}]"
             if tensor.dim() < 2:
                 raise ValueError(f"{where}: expected (num_slots, ...) with a slot dimension")
-            if tuple(tensor.stride()[1:]) != _contiguous_strides(tensor.shape[1:]):
+            contiguous = torch.empty(tensor.shape[1:], device="meta").stride()
+            if tuple(tensor.stride()[1:]) != contiguous:
                 raise ValueError(
                     f"{where}: expected each slot contiguous, got strides {tensor.stride()}"
                 )
-            if spec is not None:
-                dtype = dtype_name(tensor.dtype)
-                if dtype != spec.dtypes[t]:
-                    raise ValueError(f"{where}: expected dtype {spec.dtypes[t]}, got {dtype}")
+            if spec is not None and dtype_name(tensor.dtype) != spec.dtypes[t]:
+                raise ValueError(
+                    f"{where}: expected dtype {spec.dtypes[t]}, got {dtype_name(tensor.dtype)}"
+                )
             if shapes is not None and tuple(tensor.shape[1:]) != shapes[t]:
                 raise ValueError(
                     f"{where}: expected slots of shape {shapes[t]} ({spec.kind} at "
@@ -313,18 +256,17 @@ class StateWorker:
 
     @property
     def is_topology_independent(self) -> bool:
-        """True when every state layer is certified (readable at any TP)."""
+        """Every state layer certified: readable at any TP."""
         return not self.fallback_reasons
 
     def store(self, *, slot_ids: Any, page_ids: Any) -> None:
-        """Copy the states of slots ``slot_ids`` into state rows ``page_ids`` (this rank's
-        elected bytes)."""
+        """Slots ``slot_ids`` -> state rows ``page_ids`` (this rank's elected bytes)."""
         from .. import ops
 
         ops.store(self._tensors, self.rows, self.plan, slot_ids, page_ids)
 
     def load(self, *, slot_ids: Any, page_ids: Any) -> None:
-        """Copy state rows ``page_ids`` into slots ``slot_ids`` (this rank's shard)."""
+        """State rows ``page_ids`` -> slots ``slot_ids`` (this rank's shard)."""
         from .. import ops
 
         ops.load(self._tensors, self.rows, self.plan, slot_ids, page_ids)
@@ -333,37 +275,49 @@ class StateWorker:
 def explain_state_miss(
     root: str | os.PathLike, namespace: StoreNamespace, ctx: RankContext
 ) -> StateReshardError | None:
-    """Why state units this reader looks for are stored but not readable here, if so.
-
-    Looks at the namespaces of a :class:`~.store.FileStore` directory ``root``
-    for state units of the same model (format, identity, KV quantisation,
-    attention and state kinds and dims) written at another topology with a
-    state layer that cannot be resharded, and returns the error naming that
-    layer, its kind and the reason (raise it); None when there is none.
-    Unreadable or foreign ``namespace.json`` files are skipped.
-    """
+    """The error naming why this reader's state units are stored in FileStore ``root`` but
+    unreadable here (same model, another topology, a state layer that cannot be resharded),
+    or None. Only this user's private directories and regular files are read."""
     if not isinstance(namespace, StoreNamespace):
         raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
     mine = namespace.state_units()
+    perms = fsutil.Perms()
     try:
-        entries = sorted(os.listdir(root))
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
-    for entry in entries:
-        if not is_namespace_hex(entry) or entry == mine.hex:
-            continue
-        try:
-            with open(os.path.join(root, entry, "namespace.json"), encoding="utf-8") as f:
-                other = StoreNamespace.from_description(json.load(f))
-        except (OSError, ValueError):
-            continue
-        if other.unit_kind != "state" or not _same_model(mine, other):
-            continue
-        try:
-            other.check_state_readable(ctx)
-        except StateReshardError as error:
-            return error
+    try:
+        for entry in sorted(os.listdir(top)):
+            if not is_namespace_hex(entry) or entry == mine.hex:
+                continue
+            other = _read_namespace(top, entry, perms)
+            if other is None or other.unit_kind != "state" or not _same_model(mine, other):
+                continue
+            try:
+                other.check_state_readable(ctx)
+            except StateReshardError as error:
+                return error
+    finally:
+        os.close(top)
     return None
+
+
+def _read_namespace(top: int, entry: str, perms: fsutil.Perms) -> StoreNamespace | None:
+    """``<entry>/namespace.json`` through checked descriptors, or None (unsafe, unreadable)."""
+    fd = directory = -1
+    try:
+        directory = fsutil.open_dir(top, entry, perms) or -1
+        fd, st = fsutil.open_file(directory, "namespace.json")
+        if st.st_uid != os.geteuid() or st.st_size > _MAX_NAMESPACE_FILE:
+            return None
+        described = StoreNamespace.from_description(json.loads(os.read(fd, _MAX_NAMESPACE_FILE)))
+        return described if described.hex == entry else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        for descriptor in (fd, directory):
+            if descriptor >= 0:
+                os.close(descriptor)
 
 
 def _same_model(a: StoreNamespace, b: StoreNamespace) -> bool:

@@ -18,6 +18,7 @@ import warnings
 MOVED = {
     "store": "canonical_ops.units",
     "store.encoding": "canonical_ops.units.unit",
+    "store.state_geometry": "canonical_ops.units.geometry",
     "shared_region": "canonical_ops.engine.region",
     "page_manager": "canonical_ops.engine.pages",
     "worker": "canonical_ops.engine.worker",

@@ -1,36 +1,34 @@
-"""SGLang HiCache L3 storage backend in canonical-kv units (ops core only).
+"""SGLang HiCache L3 storage backend in canonical-kv units (README "SGLang HiCache backend").
 
-SGLang 0.5.x loads it as a dynamic storage backend::
-
-    --enable-hierarchical-cache --hicache-storage-backend dynamic
-    --hicache-storage-backend-extra-config '{"backend_name": "canonical",
-        "module_path": "canonical_ops.sglang", "class_name": "CanonicalHiCacheStorage",
-        "interface_v1": 1, "store": "/var/cache/ckv"}'
-
-Pages are stored as the same canonical units, keys (:mod:`canonical_ops.frontend.store.token_keys`)
-and namespaces as the frontend engine's file and Redis tiers, so a prefix persisted by an
-engine at one TP is served to another at any TP. Importing this package imports neither
-SGLang nor the compiled extension; ``CanonicalHiCacheStorage`` (built on first access)
-imports SGLang.
-
-Modules: :mod:`.pages` (host page <-> canonical bytes), :mod:`.staging` (assembling a
-unit from the TP ranks' shares), :mod:`.key_index` (SGLang page hash -> canonical key),
-:mod:`.backend` (the ``HiCacheStorage`` subclass).
+SGLang 0.5.x loads it with ``--hicache-storage-backend dynamic`` and
+``--hicache-storage-backend-extra-config '{"backend_name": "canonical", "module_path":
+"canonical_ops.sglang", "class_name": "CanonicalHiCacheStorage", "interface_v1": 1, "store":
+"/var/cache/ckv"}'``. Pages become the units every engine of the package reads, at any TP.
+Modules: :mod:`.pages` (pages <-> unit bytes through the plan and the CPU kernel),
+:mod:`.staging` (a unit assembled from the TP ranks' shares), :mod:`.key_index` (SGLang page
+hash -> canonical key), :mod:`.backend`. Importing it imports neither SGLang nor the extension.
 """
 
-from .backend import CONFIG_KEYS, BackendSetupError, CanonicalStorageCore, storage_class
+from .backend import (
+    CONFIG_KEYS,
+    FP8_FORMATS,
+    BackendSetupError,
+    CanonicalStorageCore,
+    storage_class,
+)
 from .key_index import TokenKeyIndex, install_hash_observer
-from .pages import HostPageCodec
-from .staging import BadFragment, FragmentStaging
+from .pages import HostPageCodec, PageTransfer
+from .staging import FragmentStaging
 
 __all__ = [
     "CONFIG_KEYS",
+    "FP8_FORMATS",
     "BackendSetupError",
-    "BadFragment",
     "CanonicalHiCacheStorage",
     "CanonicalStorageCore",
     "FragmentStaging",
     "HostPageCodec",
+    "PageTransfer",
     "TokenKeyIndex",
     "install_hash_observer",
     "storage_class",

@@ -1,74 +1,39 @@
-"""SGLang host KV pages <-> canonical unit bytes (torch and numpy; SGLang is never imported).
+"""SGLang host KV pages <-> canonical unit bytes, through one plan per rank and the CPU kernel.
 
-An SGLang HiCache host pool holds, per TP rank, every layer of its pipeline
-stage for ``page_size`` tokens per page:
-
-* MHA (``MHATokenToKVPoolHost``): separate K and V buffers, each token's
-  ``[heads, head_dim]`` rows; one layer's page is K ``[page, heads, dim]``
-  then V ``[page, heads, dim]``: a ``split`` ``NHD`` page in ``layouts`` terms.
-* MLA (``MLATokenToKVPoolHost``): one latent row per token, ``[page, 1,
-  width]``: an ``mla`` page (described as ``packed`` ``NHD``, as the frontend
-  engine describes MLA).
-
-The pool's ``layout`` only orders these same rows differently in memory
-(``layer_first``, ``page_first``, ``page_first_direct``, MHA ``page_head``);
-:class:`HostPageCodec` views one page of any of them as ``(layers, local page)``
-and converts it to and from the canonical unit (layers ``[first, end)`` of
-the stage, the frontend's region row) through the rank's
-:class:`layouts.CanonicalPageMapping`.
+An SGLang host pool holds, per TP rank, every layer of its pipeline stage for ``page_size``
+tokens per page: MHA K then V rows ``[page, heads, dim]`` (a ``split`` ``NHD`` page in
+``layouts`` terms), MLA one latent row ``[page, width]`` per token (an ``mla`` page), ordered
+in memory by the pool's ``layout``. :meth:`HostPageCodec.layer_view` views a page of any layout
+as ``(layers, *block)``; :class:`PageTransfer` moves such blocks to and from unit rows with
+``canonical_ops.make_plan`` (built once) and ``canonical_ops.store`` / ``load``.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import torch
 
-from layouts import CanonicalPageMapping, LayerSpec, derive_group_mappings
+import canonical_ops  # its ops load the extension on first use only
+from layouts import LayerSpec, WriterElection, derive_group_mappings
 from layouts.spec import dtype_name
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "HostPageCodec", "byte_index"]
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "HostPageCodec", "PageTransfer"]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-
-
-def byte_index(mapping: CanonicalPageMapping) -> np.ndarray:
-    """int64 ``(local_page_size_bytes,)``: the canonical offset of every local byte."""
-    frags = mapping.fragments()
-    out = np.empty(mapping.local_page_size_bytes, dtype=np.int64)
-    if not len(frags):
-        return out
-    local, canonical, size = frags[:, 0], frags[:, 1], frags[:, 2]
-    # Byte j of fragment f sits at local[f] + j and canonical[f] + j.
-    within = np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size, size)
-    out[np.repeat(local, size) + within] = np.repeat(canonical, size) + within
-    return out
+# Scratch of one transfer: at most this many bytes of unit rows (and at most 16 pages).
+_BATCH_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
 class HostPageCodec:
-    """One rank's host pages of one SGLang pool, as canonical unit bytes.
-
-    Parameters
-    ----------
-    attention : {"full", "mla"}
-    layout : str
-        The pool's ``layout``.
-    page_size : int
-        Tokens per host page.
-    num_layers : int
-        Layers in the pool (the stage's layers).
-    heads : int
-        KV heads held by this rank (1 for MLA).
-    head_dim : int
-        Elements per head (MLA: the latent width).
-    dtype : str
-        Storage dtype name.
-    tp_size, tp_rank, total_kv_heads : int
-        This rank's place in its TP group and the model's KV heads (1 for MLA).
-    """
+    """One rank's host pages of an SGLang pool: ``attention`` ``"full"`` or ``"mla"``, the
+    pool's ``layout``, the stage's layers, the rank's KV ``heads`` (MLA: 1) of ``head_dim``
+    elements (MLA: the latent width), its place in the TP group and the model's KV heads."""
 
     attention: str
     layout: str
@@ -92,142 +57,113 @@ class HostPageCodec:
         mappings = derive_group_mappings(
             self.spec, self.tp_size, self.total_kv_heads, layer_name="sglang host page"
         )
-        object.__setattr__(self, "_mappings", mappings)
-        object.__setattr__(self, "_indices", {})
-
-    # ------------------------------------------------------------------ geometry
+        object.__setattr__(self, "mappings", mappings)
 
     @property
     def spec(self) -> LayerSpec:
-        """Every layer's page on this rank, as ``layouts`` describes it."""
-        if self.attention == "mla":
-            return LayerSpec("mla", self.page_size, 1, self.head_dim, self.dtype, "packed", "NHD")
-        return LayerSpec(
-            "full", self.page_size, self.heads, self.head_dim, self.dtype, "split", "NHD"
-        )
-
-    @property
-    def mappings(self) -> tuple[CanonicalPageMapping, ...]:
-        """Every rank's mapping, indexed by TP rank (verified to tile the canonical page)."""
-        return self._mappings
-
-    @property
-    def mapping(self) -> CanonicalPageMapping:
-        """This rank's mapping."""
-        return self._mappings[self.tp_rank]
-
-    @property
-    def certified(self) -> bool:
-        """Whether the pages are canonical (readable by any TP); else opaque (same TP only)."""
-        return self.mapping.parallelism_agnostic
+        """Every layer's page on this rank, as ``layouts`` describes it (``mappings[r]``:
+        rank ``r``'s mapping of it, verified to tile the canonical page)."""
+        packing = "packed" if self.attention == "mla" else "split"
+        args = (self.page_size, self.heads, self.head_dim, self.dtype, packing, "NHD")
+        return LayerSpec(self.attention, *args)
 
     @property
     def local_page_bytes(self) -> int:
-        return self.mapping.local_page_size_bytes
+        return self.mappings[self.tp_rank].local_page_size_bytes
 
     @property
-    def canonical_page_bytes(self) -> int:
-        return self.mapping.canonical_page_size_bytes
+    def block_shape(self) -> tuple[int, ...]:
+        """One layer's page as the spec lays it out: (2, page, heads, dim) or (page, width)."""
+        p, h, d = self.page_size, self.heads, self.head_dim
+        return (p, d) if self.attention == "mla" else (2, p, h, d)
 
     def writer_ranks(self) -> list[int]:
-        """TP ranks whose bytes together make a unit: the writers elected for page 0.
-
-        One fixed election (page 0) for every unit: rank 0 is always in it, as
-        SGLang's own MLA writer election (only rank 0 stores) requires.
-        """
-        return [r for r, m in enumerate(self._mappings) if m.is_writer(0)]
-
-    def index(self, rank: int) -> np.ndarray:
-        """:func:`byte_index` of ``rank``'s mapping (cached)."""
-        cached = self._indices.get(rank)
-        if cached is None:
-            cached = byte_index(self._mappings[rank])
-            cached.setflags(write=False)
-            self._indices[rank] = cached
-        return cached
-
-    # ------------------------------------------------------------------ host pages
+        """TP ranks whose bytes together make a unit: the writers ``layouts`` elects for page 0,
+        for every unit (so rank 0 is in it, as SGLang's MLA election of rank 0 requires)."""
+        return sorted(WriterElection([self.mappings]).writers(0))
 
     def _page_shape(self) -> tuple[int, ...]:
-        """Shape of one page as SGLang's ``get_data_page(index, flat=False)`` slices it."""
+        """One page as SGLang's ``get_data_page(index, flat=False)`` slices it (MLA: one head,
+        and a leading K/V axis of 1 added here)."""
         p, n, h, d = self.page_size, self.num_layers, self.heads, self.head_dim
-        if self.attention == "mla":
-            return {
-                "layer_first": (n, p, 1, d),
-                "page_first": (p, n, 1, d),
-                "page_first_direct": (1, n, p, 1, d),
-            }[self.layout]
-        return {
-            "layer_first": (2, n, p, h, d),
-            "page_first": (2, p, n, h, d),
-            "page_first_direct": (2, 1, n, p, h, d),
-            "page_head": (2, 1, h, p, n, d),
+        return (2 - (self.attention == "mla"),) + {
+            "layer_first": (n, p, h, d),
+            "page_first": (p, n, h, d),
+            "page_first_direct": (1, n, p, h, d),
+            "page_head": (1, h, p, n, d),
         }[self.layout]
 
     def host_page(self, pool: Any, index: int):
         """A writable view of the pool's page starting at token slot ``index``."""
         p = self.page_size
-        kv = pool.kv_buffer
-        if self.attention == "mla":
-            if self.layout == "layer_first":
-                return kv[:, index : index + p]
-            if self.layout == "page_first":
-                return kv[index : index + p]
-            return kv[index // p : index // p + 1]
+        lead = () if self.attention == "mla" else (slice(None),)  # MHA: K and V first
         if self.layout == "layer_first":
-            return kv[:, :, index : index + p]
+            return pool.kv_buffer[(*lead, slice(None), slice(index, index + p))]
         if self.layout == "page_first":
-            return kv[:, index : index + p]
-        return kv[:, index // p : index // p + 1]
+            return pool.kv_buffer[(*lead, slice(index, index + p))]
+        return pool.kv_buffer[(*lead, slice(index // p, index // p + 1))]  # one page per row
 
     def layer_view(self, page: Any):
-        """``page`` (a host page, or SGLang's flat form of one) viewed as
-        ``(layers, 2, page, heads, dim)`` (MHA) or ``(layers, page, 1, dim)`` (MLA)."""
+        """``page`` (a host page, or SGLang's flat form of one) viewed as ``(layers, *block)``."""
         page = page.reshape(self._page_shape())
-        if self.attention == "mla":
-            if self.layout == "layer_first":
-                return page
-            if self.layout == "page_first":
-                return page.permute(1, 0, 2, 3)
-            return page[0]
         if self.layout == "layer_first":
-            return page.permute(1, 0, 2, 3, 4)
-        if self.layout == "page_first":
-            return page.permute(2, 0, 1, 3, 4)
-        if self.layout == "page_first_direct":
-            return page[:, 0].permute(1, 0, 2, 3, 4)
-        return page[:, 0].permute(3, 0, 2, 1, 4)  # page_head: (2, H, P, L, D)
+            view = page.permute(1, 0, 2, 3, 4)
+        elif self.layout == "page_first":
+            view = page.permute(2, 0, 1, 3, 4)
+        elif self.layout == "page_first_direct":
+            view = page[:, 0].permute(1, 0, 2, 3, 4)
+        else:  # page_head: (2, H, P, L, D)
+            view = page[:, 0].permute(3, 0, 2, 1, 4)
+        return view[:, 0, :, 0] if self.attention == "mla" else view
 
-    def read_local(self, page: Any) -> np.ndarray:
-        """uint8 ``(layers, local page bytes)``: a copy of this rank's pages of every layer."""
-        import torch
 
-        local = self.layer_view(page).contiguous().reshape(self.num_layers, -1)
-        return local.view(torch.uint8).numpy().reshape(self.num_layers, self.local_page_bytes)
+class PageTransfer:
+    """Scratch blocks, unit rows and one plan per rank: host pages <-> canonical units.
 
-    def write_local(self, page: Any, local: np.ndarray) -> None:
-        """Copy uint8 ``(layers, local page bytes)`` into ``page`` (a writable view)."""
-        import torch
+    ``blocks`` holds ``batch + 1`` pages in the spec's layout (the last, :attr:`spare`, for
+    another rank's share) and ``rows`` ``batch`` unit payloads of layers ``[first, end)`` of
+    ``namespace``. The plans of ``ranks`` are built here, once. Not thread-safe: hold
+    :attr:`lock` while using it.
+    """
 
-        view = self.layer_view(page)
-        source = torch.from_numpy(np.ascontiguousarray(local)).view(view.dtype)
-        view.copy_(source.reshape(view.shape))
+    def __init__(
+        self, codec: HostPageCodec, namespace: Any, first: int, end: int, ranks: Sequence[int]
+    ) -> None:
+        unit_bytes = namespace.layer_bytes(first, end)
+        self.batch = max(1, min(16, _BATCH_BYTES // unit_bytes))
+        self.codec, self.spare, self.lock = codec, self.batch, threading.Lock()
+        shape = (self.batch + 1, codec.num_layers, *codec.block_shape)
+        self.blocks = torch.zeros(shape, dtype=getattr(torch, codec.dtype))
+        self.rows = torch.zeros((self.batch, unit_bytes), dtype=torch.uint8)
+        self.layers = [self.blocks[:, layer] for layer in range(codec.num_layers)]
+        offsets = list(namespace.payload_offsets(first, end)[:-1])
+        self.plans = {
+            rank: canonical_ops.make_plan(
+                [codec.mappings[rank]] * codec.num_layers,
+                self.layers,
+                self.rows,
+                area_offsets=offsets,
+            )
+            for rank in ranks
+        }
 
-    # ------------------------------------------------------------------ canonical units
+    def block_bytes(self, index: int):
+        """Block ``index`` as flat bytes: a rank's fragment payload (a view)."""
+        return self.blocks[index].reshape(-1).view(torch.uint8)
 
-    def scatter(self, rank: int, local: np.ndarray, unit: np.ndarray, offsets: Any) -> None:
-        """Place ``rank``'s local pages (``(layers, local bytes)``) into ``unit``.
+    def take(self, index: int, page: Any) -> None:
+        """Copy a host page into block ``index``."""
+        self.blocks[index].copy_(self.codec.layer_view(page))
 
-        ``offsets[l]`` is layer ``l``'s canonical page in the unit payload.
-        """
-        index = self.index(rank)
-        for layer, offset in enumerate(offsets):
-            unit[offset + index] = local[layer]
+    def give(self, index: int, page: Any) -> None:
+        """Copy block ``index`` into a host page (a writable view)."""
+        self.codec.layer_view(page).copy_(self.blocks[index])
 
-    def gather(self, unit: np.ndarray, offsets: Any) -> np.ndarray:
-        """This rank's local pages of every layer, read from a unit payload."""
-        index = self.index(self.tp_rank)
-        out = np.empty((self.num_layers, self.local_page_bytes), dtype=np.uint8)
-        for layer, offset in enumerate(offsets):
-            out[layer] = unit[offset + index]
-        return out
+    def place(self, rank: int, block: int, row: int) -> None:
+        """Rank ``rank``'s share of block ``block`` into unit row ``row``, as page 0's writers."""
+        canonical_ops.store(self.layers, self.rows[row : row + 1], self.plans[rank], [block], [0])
+
+    def extract(self, count: int) -> None:
+        """This rank's bytes of unit rows ``[0, count)`` into blocks ``[0, count)``."""
+        ids = list(range(count))
+        canonical_ops.load(self.layers, self.rows, self.plans[self.codec.tp_rank], ids, ids)

@@ -23,10 +23,11 @@ True
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
-from .files import FileStore, GcReport, StoreMetrics, StoreRootError, check_unit_file
-from .jobs import IOJob, JobOutcome, JobPool, PoolStats
+from .auth import StoreSecret
+from .files import FileStore, GcReport, StoreMetrics, StoreRootError
+from .jobs import IOJob, JobOutcome, JobPool, PoolStats, current_job
 from .namespace import LayerGeometry, ModelIdentity, StoreNamespace
-from .tier import PageTier, TierBase, TierMetrics
+from .tier import LoadItem, PageTier, StoreItem, TierBase, TierMetrics, UnitStore
 from .unit import (
     CorruptUnit,
     PayloadVerifier,
@@ -41,20 +42,14 @@ from .unit import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .redis_store import (
-        LoadItem,
-        RedisStore,
-        RedisStoreError,
-        RedisStoreMetrics,
-        StoreItem,
-    )
+    from .redis_store import RedisStore, RedisStoreError, RedisStoreMetrics
 
 # The Redis tier loads redis-py on first use only: a file store needs no Redis client.
 __getattr__, __dir__ = lazy_exports(
     __name__,
     globals(),
     dict.fromkeys(
-        ("LoadItem", "RedisStore", "RedisStoreError", "RedisStoreMetrics", "StoreItem"),
+        ("RedisStore", "RedisStoreError", "RedisStoreMetrics"),
         ".redis_store",
     ),
 )
@@ -79,10 +74,12 @@ __all__ = [
     "StoreMetrics",
     "StoreNamespace",
     "StoreRootError",
+    "StoreSecret",
     "TierBase",
     "TierMetrics",
     "UnitHeader",
-    "check_unit_file",
+    "UnitStore",
+    "current_job",
     "decode_and_verify",
     "decode_header",
     "encode_header",

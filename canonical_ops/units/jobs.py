@@ -1,37 +1,22 @@
-"""A bounded I/O job pool shared by the persistent tiers (files, Redis).
+"""A bounded I/O job pool with deadlines, shared by the unit stores (files, Redis).
 
-The engine's thread submits and polls; a fixed set of worker threads does the
-I/O. The queue is bounded and :meth:`JobPool.submit` never blocks: when the
-queue is full the job comes back already finished with status ``"refused"``
-(back-pressure, counted), and the caller simply does not offload or load that
-block now. Jobs are collected like ``OffloadWorker``'s: :meth:`JobPool.poll`
-returns the jobs finished since the last poll, :meth:`JobPool.wait` blocks on
-one. A worker thread never raises into the caller: every exception becomes the
-job's ``error`` (status ``"error"``).
+The engine's thread submits and polls; worker threads do the I/O. :meth:`JobPool.submit`
+never blocks: a full queue gives a job already finished ``"refused"`` (back-pressure).
+Finished jobs are collected by :meth:`JobPool.poll` or :meth:`JobPool.wait`; a work
+function's exception becomes the job's ``error``, never the caller's.
 
-Statuses
---------
-``"queued"``, ``"running"``
-    Not finished.
-``"ok"``
-    Done; for a load, the destination holds verified bytes.
-``"miss"``
-    Nothing usable was found (absent, evicted meanwhile, or corrupt and
-    quarantined: see ``detail``). The destination must not be used.
-``"corrupt"``
-    Reserved for tiers that report corruption without falling back to a miss.
-``"error"``
-    The I/O failed (e.g. ENOSPC); ``error`` holds the exception.
-``"refused"``
-    Not accepted: the queue was full, or the pool was closed.
-``"cancelled"``
-    Accepted but dropped by ``close(cancel=True)`` before it started.
-
-Work functions return a :class:`JobOutcome` (or None for a plain ``"ok"``).
+Statuses: ``queued``, ``running``; then ``ok`` (a load's destination holds verified
+bytes), ``miss`` (nothing usable), ``corrupt``, ``error`` (``error`` holds the exception),
+``refused`` (queue full or pool closed), ``cancelled`` (dropped by ``close(cancel=True)``)
+or ``expired``: the job ran past the pool's ``deadline_s``. Its thread is then abandoned
+(its late result dropped) and replaced, so a stuck syscall never pins the pool. A work
+function calls ``current_job().claim()`` right before it writes caller memory or
+publishes, and does bounded work until ``release()``: an expired job never writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -40,30 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_int
+from ..checks import check_int, check_seconds
 
-__all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "run_inline"]
+__all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "current_job", "run_inline"]
 
-FINISHED = frozenset({"ok", "miss", "corrupt", "error", "refused", "cancelled"})
+FINISHED = frozenset({"ok", "miss", "corrupt", "error", "refused", "cancelled", "expired"})
 _OUTCOMES = frozenset({"ok", "miss", "corrupt", "error"})
+_local = threading.local()
 
 
 @dataclass(frozen=True)
 class JobOutcome:
-    """What a work function reports.
-
-    Parameters
-    ----------
-    status : {"ok", "miss", "corrupt", "error"}
-    nbytes : int
-        Payload bytes moved.
-    detail : str
-        Human-readable why (e.g. which file was quarantined).
-    value : Any
-        Anything else the tier returns.
-    error : BaseException | None
-        The exception behind an ``"error"``.
-    """
+    """What a work function reports: status (ok, miss, corrupt, error), payload bytes moved,
+    a human-readable ``detail``, any ``value`` and the exception behind an error."""
 
     status: str
     nbytes: int = 0
@@ -80,22 +54,8 @@ class JobOutcome:
 class IOJob:
     """One submitted I/O operation and, once finished, its outcome.
 
-    Attributes
-    ----------
-    job_id : int
-    kind : str
-        What the tier does, e.g. ``"store"`` or ``"load"``.
-    info : dict
-        The tier's description of the job (key, layers, ...).
-    status : str
-        See the module docstring.
-    nbytes : int
-        Payload bytes moved (0 unless ``"ok"``).
-    detail : str
-    value : Any
-    error : BaseException | None
-    submitted_at, started_at, finished_at : float | None
-        ``time.perf_counter()`` stamps.
+    ``kind`` names the operation (``"store"``, ``"loads"``, ...), ``info`` the tier's
+    description of it; the ``*_at`` stamps are ``time.perf_counter()`` values.
     """
 
     job_id: int
@@ -112,6 +72,8 @@ class IOJob:
     _fn: Callable[[], JobOutcome | None] | None = field(default=None, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _collected: bool = field(default=False, repr=False)
+    _claimed: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def done(self) -> bool:
@@ -131,6 +93,32 @@ class IOJob:
         """Submission to finish, or None while in flight."""
         return None if self.finished_at is None else self.finished_at - self.submitted_at
 
+    def claim(self) -> bool:
+        """False when the job expired; else True, and the deadline waits until :meth:`release`."""
+        with self._lock:
+            if self.status == "expired":
+                return False
+            self._claimed = True
+            return True
+
+    def release(self) -> None:
+        """End a claim: the deadline applies again."""
+        with self._lock:
+            self._claimed = False
+
+    def _finish(self, status: str, detail: str = "") -> None:
+        self._fn, self.status, self.detail = None, status, detail
+        self.finished_at = time.perf_counter()
+        self._done.set()
+
+
+_DETACHED = IOJob(-1, "detached")  # what current_job() gives outside a job: claim() is True
+
+
+def current_job() -> IOJob:
+    """The job the calling thread is running (a detached one, never expiring, outside jobs)."""
+    return getattr(_local, "job", _DETACHED)
+
 
 @dataclass(frozen=True)
 class PoolStats:
@@ -141,39 +129,40 @@ class PoolStats:
     finished: int
     errors: int
     cancelled: int
+    expired: int
     queued: int
     running: int
 
 
 def run_inline(job: IOJob) -> IOJob:
-    """Run an unsubmitted job in the calling thread (the tiers' synchronous calls)."""
+    """Run an unsubmitted job in the calling thread (the stores' synchronous calls)."""
     _execute(job)
     return job
 
 
 def _execute(job: IOJob) -> None:
-    job.status = "running"
-    job.started_at = time.perf_counter()
+    job.status, job.started_at = "running", time.perf_counter()
     fn, job._fn = job._fn, None  # drop the closure (and the buffers it holds) when done
+    outer, _local.job = current_job(), job
     try:
         outcome = fn() if fn is not None else None
         if outcome is None:
             outcome = JobOutcome("ok")
         elif not isinstance(outcome, JobOutcome):
             raise TypeError(f"work function returned {type(outcome).__name__}, not JobOutcome")
-        job.nbytes, job.detail, job.value = outcome.nbytes, outcome.detail, outcome.value
-        job.error = outcome.error
-        job.status = outcome.status
     except BaseException as error:  # never let it escape into a worker or caller thread
-        job.error = error
-        job.detail = f"{type(error).__name__}: {error}"
-        job.status = "error"
-    job.finished_at = time.perf_counter()
-    job._done.set()
+        outcome = JobOutcome("error", detail=f"{type(error).__name__}: {error}", error=error)
+    finally:
+        _local.job = outer
+    with job._lock:
+        if job.status == "expired":
+            return  # abandoned by the watchdog: the late result is dropped
+        job.nbytes, job.value, job.error = outcome.nbytes, outcome.value, outcome.error
+        job._finish(outcome.status, outcome.detail)
 
 
 class JobPool:
-    """Fixed worker threads fed by a bounded queue.
+    """Worker threads fed by a bounded queue, with an optional per-job deadline.
 
     Parameters
     ----------
@@ -183,24 +172,46 @@ class JobPool:
         Jobs that may wait for a thread (>= 1); beyond it, submissions are refused.
     name : str
         Thread name prefix.
+    deadline_s : float | None
+        Seconds a job may run (from its start) before it finishes ``"expired"``;
+        None: no deadline.
     """
 
-    def __init__(self, threads: int = 4, queue_depth: int = 64, *, name: str = "ckv-io") -> None:
+    def __init__(
+        self,
+        threads: int = 4,
+        queue_depth: int = 64,
+        *,
+        name: str = "ckv-io",
+        deadline_s: float | None = None,
+    ) -> None:
         self.threads = check_int("threads", threads, minimum=1)
         self.queue_depth = check_int("queue_depth", queue_depth, minimum=1)
+        self.deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
+        self.name = name
         self._queue: queue.Queue[IOJob | None] = queue.Queue(maxsize=self.queue_depth)
-        self._lock = threading.Lock()
-        # Finished, not yet collected by poll() or wait(); insertion-ordered by job id.
-        self._finished: dict[int, IOJob] = {}
+        self._lock = threading.Condition()
+        self._finished: dict[int, IOJob] = {}  # not yet collected, in job id order
+        self._running: dict[threading.Thread, IOJob] = {}
         self._ids = itertools.count()
+        self._spawned = itertools.count()
         self._closed = False
-        self._counts = dict(submitted=0, refused=0, finished=0, errors=0, cancelled=0, running=0)
-        self._workers = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-            for i in range(self.threads)
-        ]
-        for worker in self._workers:
-            worker.start()
+        self._counts = dict.fromkeys(
+            ("submitted", "refused", "finished", "errors", "cancelled", "expired"), 0
+        )
+        self._workers: list[threading.Thread] = []
+        with self._lock:
+            for _ in range(self.threads):
+                self._spawn_locked()
+        if self.deadline_s is not None:
+            threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
+
+    def _spawn_locked(self) -> None:
+        worker = threading.Thread(
+            target=self._run, name=f"{self.name}-{next(self._spawned)}", daemon=True
+        )
+        self._workers.append(worker)
+        worker.start()
 
     # ------------------------------------------------------------------ submission
 
@@ -215,10 +226,8 @@ class JobPool:
     def submit(
         self, kind: str, fn: Callable[[], JobOutcome | None], info: dict | None = None
     ) -> IOJob:
-        """Queue ``fn`` without blocking; a full queue gives a finished ``"refused"`` job.
-
-        Refused jobs are never returned by :meth:`poll` (the caller holds them).
-        """
+        """Queue ``fn`` without blocking; a full queue gives a finished ``"refused"`` job
+        (never returned by :meth:`poll`: the caller holds it)."""
         return self.submit_job(self.make_job(kind, fn, info))
 
     def submit_job(self, job: IOJob) -> IOJob:
@@ -232,12 +241,8 @@ class JobPool:
                     accepted = False
             self._counts["submitted" if accepted else "refused"] += 1
         if not accepted:
-            job._fn = None
-            job.status = "refused"
-            job.detail = "pool closed" if self._closed else "queue full (back-pressure)"
-            job.finished_at = time.perf_counter()
             job._collected = True
-            job._done.set()
+            job._finish("refused", "pool closed" if self._closed else "queue full (back-pressure)")
         return job
 
     # ------------------------------------------------------------------ collection
@@ -252,99 +257,108 @@ class JobPool:
         return finished
 
     def wait(self, job: IOJob, timeout: float | None = None) -> IOJob:
-        """Block until ``job`` is finished; it is then not returned by :meth:`poll`.
-
-        Raises
-        ------
-        TimeoutError
-            ``timeout`` seconds passed first.
-        """
+        """Block until ``job`` is finished (it is then not returned by :meth:`poll`);
+        ``TimeoutError`` after ``timeout`` seconds."""
         if not isinstance(job, IOJob):
             raise TypeError(f"job: expected an IOJob, got {type(job).__name__}")
         if not job._done.wait(timeout):
             raise TimeoutError(f"job {job.job_id} ({job.kind}) not finished after {timeout} s")
         with self._lock:
             job._collected = True
-            self._finished.pop(job.job_id, None)  # waited-for jobs never pile up unpolled
+            self._finished.pop(job.job_id, None)
         return job
 
     def stats(self) -> PoolStats:
         """Counters, consistent with each other."""
         with self._lock:
-            c = self._counts
-            return PoolStats(
-                submitted=c["submitted"],
-                refused=c["refused"],
-                finished=c["finished"],
-                errors=c["errors"],
-                cancelled=c["cancelled"],
-                queued=self._queue.qsize(),
-                running=c["running"],
-            )
+            return PoolStats(**self._counts, queued=self._queue.qsize(), running=len(self._running))
 
     # ------------------------------------------------------------------ workers
 
+    def _collect_locked(self, job: IOJob) -> None:
+        self._counts["finished"] += 1
+        self._counts["errors"] += job.status == "error"
+        if not job._collected:
+            self._finished[job.job_id] = job
+
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             job = self._queue.get()
             if job is None:
+                self._queue.put_nowait(None)  # sticky: it stops every worker, replacements too
                 return
-            with self._lock:
-                self._counts["running"] += 1
+            with self._lock:  # the watchdog wakes at least once a deadline: no notify
+                self._running[me] = job
             _execute(job)
             with self._lock:
-                self._counts["running"] -= 1
-                self._counts["finished"] += 1
-                self._counts["errors"] += job.status == "error"
-                if not job._collected:
-                    self._finished[job.job_id] = job
+                if self._running.get(me) is not job:
+                    return  # abandoned after its deadline: a replacement took this place
+                del self._running[me]
+                self._collect_locked(job)
+
+    def _watch(self) -> None:
+        """Expire jobs running past the deadline; replace their threads."""
+        deadline_s = self.deadline_s
+        assert deadline_s is not None
+        with self._lock:
+            while not (self._closed and not self._workers_alive()):
+                now = time.perf_counter()
+                wake = now + deadline_s  # idle: look again after a deadline at the latest
+                for thread, job in list(self._running.items()):
+                    due = (job.started_at or now) + deadline_s
+                    if due > now:
+                        wake = min(wake, due)
+                        continue
+                    with job._lock:
+                        if job._done.is_set():
+                            continue
+                        if job._claimed:  # writing: look again shortly
+                            wake = min(wake, now + 0.01)
+                            continue
+                        job._finish("expired", f"ran past the pool's deadline of {deadline_s} s")
+                    del self._running[thread]
+                    self._workers.remove(thread)
+                    self._counts["expired"] += 1
+                    self._collect_locked(job)
+                    self._spawn_locked()
+                self._lock.wait(max(0.0, wake - now))
+
+    def _workers_alive(self) -> bool:
+        return any(w.is_alive() for w in self._workers)
 
     # ------------------------------------------------------------------ shutdown
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop accepting jobs, then drain (default) or cancel the queued ones.
 
-        Running jobs always finish. Cancelled jobs finish with status
-        ``"cancelled"`` and are returned by :meth:`poll`. Idempotent.
-
-        Parameters
-        ----------
-        cancel : bool
-            Drop queued jobs instead of running them.
-        timeout : float | None
-            Give up joining the threads after this long (they are daemons).
+        Running jobs finish (or expire); cancelled ones finish ``"cancelled"`` and are
+        returned by :meth:`poll`. Threads are joined for at most ``timeout`` seconds.
+        Idempotent.
         """
         with self._lock:
-            if self._closed and not any(w.is_alive() for w in self._workers):
+            if self._closed and not self._workers_alive():
                 return
             self._closed = True
-        if cancel:
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    continue
+        while cancel:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
                 with self._lock:
-                    job._fn = None
-                    job.status = "cancelled"
-                    job.detail = "cancelled by close()"
-                    job.finished_at = time.perf_counter()
+                    job._finish("cancelled", "cancelled by close()")
                     self._counts["cancelled"] += 1
                     self._finished[job.job_id] = job
-                job._done.set()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in self._workers:
-            # Blocks only while the workers drain the queue (at most ``timeout``).
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self._queue.put(None, timeout=remaining)
-            except queue.Full:
+        end = None if timeout is None else time.monotonic() + timeout
+        with contextlib.suppress(queue.Full):  # blocks only while the workers drain the queue
+            self._queue.put(None, timeout=timeout)
+        while end is None or time.monotonic() < end:
+            with self._lock:  # abandoned threads are no longer listed: never joined
+                alive = [w for w in self._workers if w.is_alive()]
+            if not alive:
                 break
-        for worker in self._workers:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            worker.join(remaining)
+            alive[0].join(0.05 if end is None else max(0.0, min(0.05, end - time.monotonic())))
 
     @property
     def closed(self) -> bool:

@@ -1,149 +1,176 @@
-"""A shared tier of canonical units on Redis or Valkey (standalone, TLS, or Cluster).
+"""A shared tier of canonical units on Redis or Valkey (standalone, TLS, unix socket, or Cluster).
 
-The values are the very units of the file store (:mod:`.encoding`: header +
-payload, XXH3-128 over both); nothing else is ever loaded. Every engine that
-shares a server (or cluster) shares the KV of every namespace it knows, across
-tensor and pipeline splits, exactly like a shared :class:`~.files.FileStore`
-directory, but over the network and with one round trip per batch.
+The values are the units of the file store, byte for byte (:mod:`.unit`), so
+engines of any tensor or pipeline split on many hosts share one server's KV.
+Keys (``P`` = ``key_prefix``; ``<ns>`` = 32 hex of the namespace digest,
+``<kd>`` = :func:`.files.key_digest` of the block key)::
 
-The tier in parts (each module's docstring is the reference for its part):
+    P:v1:{<ns>:<kd>}:<first>-<end>   a unit of layers [first, end)  (SET NX: first writer wins)
+    P:v1:{<ns>:<kd>}:idx             sorted set of the stored "<first>-<end>", score = expiry (ms)
+    P:v1:namespace:<ns>              the namespace's description (JSON), for the store CLI
 
-* :mod:`.redis_index`: the keys (``P:v1:{<ns>:<kd>}:<first>-<end>``, chunks,
-  ``...:idx``), and each block key's index of stored layer ranges: lookups
-  and covers across pipeline splits;
-* :mod:`.redis_chunks`: a unit as one value (``SET NX``: the first writer
-  wins) or, above ``max_value_bytes`` (16 MiB), as chunks under a manifest;
-* :mod:`.redis_batches`: the round trips of a batched store and a batched
-  load (every load verified before a byte reaches the destination);
-* :mod:`.redis_connection`: URLs, clients, timeouts, retries, the circuit
-  breaker, round trips (through redis-py, or direct);
-* :mod:`.redis_wire`: the commands; the packer that sends a unit without
-  joining it; the reader of direct round trips (a value read once, from the
-  kernel into a reused buffer, verified, then copied into its destination);
-* :mod:`.redis_records`: the items callers pass and the metrics they read;
-* this module: :class:`RedisStore`, the tier (arguments, jobs, counters).
-
-Only commands Valkey also has are used: GET, SET (NX, GET, PX), EXISTS, DEL,
-PERSIST, PEXPIRE (NX, GT), ZADD (GT), ZRANGE (BYSCORE), ZREMRANGEBYSCORE and
-ZREM; Redis >= 7.0 or Valkey >= 7.2 (SET NX GET needs 7.0).
+The hash tag keeps a block's keys on one cluster node, in order within a
+pipeline. A unit larger than ``max_value_bytes`` is stored as several units of
+consecutive layer ranges, each at most that big, which readers cover like the
+units of another pipeline split: one format, no manifest. Every load is
+verified before a byte reaches its destination; a bad value is a counted miss
+and is deleted. Design notes: ``docs/redis_tier.md``.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from ..checks import check_int
-from .files import key_digest
-from .jobs import IOJob, JobOutcome, JobPool, run_inline
+from ..checks import check_int, check_seconds
+from .jobs import JobOutcome, JobPool
 from .namespace import StoreNamespace
-from .redis_batches import _Publishing, _Reading
-from .redis_chunks import (
-    _MAX_VALUE_LIMIT,
-    _MIN_VALUE_BYTES,
-    DEFAULT_MAX_VALUE_BYTES,
-    MANIFEST_MAGIC,
-)
 from .redis_connection import (
     RedisConnection,
     RedisStoreError,
     _Breaker,
-    _check_seconds,
-    _check_str,
     _Unavailable,
-    check_url,
+    claimed,
     client_options,
-    redact_url,
 )
-from .redis_index import _Keys, _Ranges, covered_prefix, lookup_ops
-from .redis_records import (
-    _COUNTERS,
-    LoadItem,
-    RedisStoreMetrics,
-    StoreItem,
-    _LoadReq,
-    _StoreReq,
-    batch_outcome,
+from .redis_url import parse_url, redact_url
+from .redis_wire import Command, _Into, _Parts
+from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
+from .unit import (
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    CorruptUnit,
+    begin_unit_check,
+    encode_header,
+    header_length,
+    key_digest,
 )
-from .tier import TierBase
-from .unit import normalize_key
 
-__all__ = [
-    "DEFAULT_MAX_VALUE_BYTES",
-    "MANIFEST_MAGIC",
-    "LoadItem",
-    "RedisStore",
-    "RedisStoreError",
-    "RedisStoreMetrics",
-    "StoreItem",
-]
+__all__ = ["DEFAULT_MAX_VALUE_BYTES", "RedisStore", "RedisStoreError", "RedisStoreMetrics"]
 
-# ---------------------------------------------------------------------- the store
+DEFAULT_MAX_VALUE_BYTES = 16 << 20  # a server is single threaded: big values stall it
+_MAX_VALUE_LIMIT = 512 << 20  # Redis's proto-max-bulk-len
+_MIN_VALUE_BYTES = 4096
+_RETAIN_BYTES = 128 << 20  # per-thread scratch kept between calls (no page faults)
+_MAX_LOAD_ROUNDS = 16  # exact + index, then covers; each round resolves or excludes
+_RANGE = re.compile(rb"(\d{1,6})-(\d{1,6})")
 
 
-class RedisStore(_Publishing, _Reading, TierBase):
+@dataclass(frozen=True)
+class RedisStoreMetrics(TierMetrics):
+    """Counters of one :class:`RedisStore` (a snapshot), beyond :class:`.TierMetrics`.
+
+    ``*_unavailable`` / ``stores_dropped``: the server was down, slow or skipped by
+    the breaker; ``stores_failed``: the server refused (OOM, NOPERM);
+    ``stale_removed``: index entries naming vanished units; ``values_deleted``: bad
+    values deleted; ``bytes_sent`` / ``bytes_received``: value bytes on the wire;
+    ``errors``: failed round trips and error replies; ``available``: breaker closed.
+    """
+
+    stores_dropped: int = 0
+    loads_unavailable: int = 0
+    lookups: int = 0
+    lookups_unavailable: int = 0
+    lookup_seconds_total: float = 0.0
+    lookup_seconds_max: float = 0.0
+    stale_removed: int = 0
+    values_deleted: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    round_trips: int = 0
+    errors: int = 0
+    breaker_opens: int = 0
+    breaker_skips: int = 0
+    available: bool = True
+
+
+_COUNTERS = tuple(f.name for f in fields(RedisStoreMetrics) if f.name != "available")
+
+
+def cover(ranges: set[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]] | None:
+    """Ranges covering ``[first, end)``: the exact one if present, else greedy longest-first."""
+    if (first, end) in ranges:
+        return [(first, end)]
+    chain, position = [], first
+    while position < end:
+        best = max((r for r in ranges if r[0] <= position < r[1]), default=None, key=lambda r: r[1])
+        if best is None:
+            return None
+        chain.append(best)
+        position = best[1]
+    return chain
+
+
+def parse_ranges(members: Any, num_layers: int) -> set[tuple[int, int]]:
+    """Index members as layer ranges; anything malformed is ignored (never trusted)."""
+    out = set()
+    for member in members if isinstance(members, list) else ():
+        match = _RANGE.fullmatch(member) if isinstance(member, bytes) else None
+        if match and 0 <= int(match[1]) < int(match[2]) <= num_layers:
+            out.add((int(match[1]), int(match[2])))
+    return out
+
+
+class _Header:
+    """A unit's header, encoded (and its checksum computed) when its command is packed."""
+
+    __slots__ = ("args", "nbytes")
+
+    def __init__(self, nbytes: int, *args: Any) -> None:
+        self.nbytes, self.args = nbytes, args
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __call__(self) -> bytes:
+        header = encode_header(*self.args)
+        if len(header) != self.nbytes:  # the bulk string's length is already on the wire
+            raise RuntimeError(f"header of {len(header)} bytes, expected {self.nbytes}")
+        return header
+
+
+def _scratch(tls: threading.local, name: str, nbytes: int) -> memoryview:
+    """This thread's reused buffer ``name`` of at least ``nbytes`` (fresh above the limit)."""
+    buffer = getattr(tls, name, None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        if nbytes <= _RETAIN_BYTES:
+            setattr(tls, name, buffer)
+    return memoryview(buffer)[:nbytes]
+
+
+class RedisStore(UnitStore):
     """Canonical units on a Redis / Valkey server or cluster, for one :class:`StoreNamespace`.
 
-    Parameters
-    ----------
-    url : str
-        ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS),
-        ``unix:///path/to/socket[?db=N]``, or ``redis+cluster://`` /
-        ``rediss+cluster://`` for a Redis Cluster (any node; the others are
-        discovered). Query arguments are passed to redis-py (e.g.
-        ``?ssl_cert_reqs=none``).
-    namespace : StoreNamespace
-    cluster : bool | None
-        Use redis-py's ``RedisCluster``; default: from the URL scheme.
-    username, password : str | None
-        ACL user and password; override the URL's.
-    db : int | None
-        Database number (standalone only); overrides the URL's.
-    ttl_s : float | None
-        Expire every stored unit after this many seconds; None = keep until
-        the server evicts it.
-    max_value_bytes : int
-        Largest value written; larger units are chunked (see the module
-        docstring). Default 16 MiB; at least 4096, at most 512 MiB.
-    max_pipeline_bytes : int
-        A batch moving more value bytes than this is sent as several
-        pipelines (bounds client and server buffers). Default 256 MiB.
-    socket_timeout_s, connect_timeout_s : float
-        Per socket operation / connect (defaults 5 s, 2 s).
-    lookup_timeout_s : float
-        Timeout of synchronous :meth:`lookup` calls (default 0.5 s; no retries).
-    retries : int
-        redis-py retries of a failed command (exponential back-off from 50 ms,
-        at most 0.5 s); default 2.
-    breaker_failures : int
-        Consecutive failed round trips that open the circuit breaker (default 2).
-    breaker_backoff_s, breaker_max_backoff_s : float
-        First and largest pause before probing a failed server (1 s, 30 s).
-    chunk_pending_s : float
-        Expiry of a chunked unit's chunks until its manifest is published (60 s).
-    require_server : bool
-        Raise when the server is unreachable at start-up (default). False:
-        warn and start with the breaker open (probing later).
-    ssl_ca_certs, ssl_certfile, ssl_keyfile : str | None
-        TLS files for ``rediss://`` (CA bundle; client certificate and key).
-    client_kwargs : Mapping | None
-        More keyword arguments for the redis-py client (they win over the above).
-    key_prefix : str
-        First component of every key (default ``"ckv"``).
-    threads, queue_depth, pool :
-        As :class:`~.files.FileStore`: the store's own :class:`JobPool`
-        (default 4 threads, 64 queued jobs) or a shared one.
+    ``url``: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS),
+    ``unix://[[user]:password@]/path.sock[?db=N]``, ``redis+cluster://`` or
+    ``rediss+cluster://`` (any node of a cluster; or ``cluster=True``); query arguments
+    go to redis-py. ``username``, ``password``, ``db`` override the URL's. ``secret``
+    (a :class:`~.auth.StoreSecret`): units carry its MAC, and units without a valid
+    tag are misses (deleted). ``ttl_s``: units expire (None: the server evicts them).
+    ``max_value_bytes`` (16 MiB): a bigger unit goes out as units of consecutive layer
+    ranges that fit. ``max_pipeline_bytes`` (256 MiB): bigger batches take several
+    pipelines. Timeouts: ``socket_timeout_s`` (5 s) per socket operation,
+    ``connect_timeout_s`` (2 s), ``lookup_timeout_s`` (0.5 s, no retries) for
+    :meth:`lookup` on the caller's thread; ``retries`` (2, back-off 50 ms .. 0.5 s).
+    Breaker: ``breaker_failures`` (2) failed round trips skip the server for
+    ``breaker_backoff_s`` (1 s), doubling up to ``breaker_max_backoff_s`` (30 s).
+    ``require_server=False``: no server at start-up is a warning (probed later), not an
+    error. ``ssl_*``: TLS files; ``client_kwargs``: more redis-py arguments (they win);
+    ``key_prefix`` (``"ckv"``). ``threads``, ``queue_depth``, ``deadline_s``: the own
+    :class:`JobPool` (4, 64, 30 s), or ``pool``: a shared one.
 
-    Raises
-    ------
-    RedisStoreError
-        Wrong credentials, missing ACL permissions, a server too old, or
-        (with ``require_server``) no server at start-up; the message names
-        the URL (password redacted).
+    Raises :class:`RedisStoreError` (one line, URL redacted) for wrong or missing
+    credentials, missing ACL permissions, a server too old, or no server.
     """
 
     def __init__(
@@ -155,6 +182,7 @@ class RedisStore(_Publishing, _Reading, TierBase):
         username: str | None = None,
         password: str | None = None,
         db: int | None = None,
+        secret: Any = None,
         ttl_s: float | None = None,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_pipeline_bytes: int = 256 << 20,
@@ -165,7 +193,6 @@ class RedisStore(_Publishing, _Reading, TierBase):
         breaker_failures: int = 2,
         breaker_backoff_s: float = 1.0,
         breaker_max_backoff_s: float = 30.0,
-        chunk_pending_s: float = 60.0,
         require_server: bool = True,
         ssl_ca_certs: str | None = None,
         ssl_certfile: str | None = None,
@@ -175,175 +202,145 @@ class RedisStore(_Publishing, _Reading, TierBase):
         threads: int | None = None,
         queue_depth: int | None = None,
         pool: JobPool | None = None,
+        deadline_s: float | None = DEFAULT_DEADLINE_S,
     ) -> None:
         if not isinstance(namespace, StoreNamespace):
             raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
-        self.namespace = namespace
-        scheme = check_url(url)
+        self.namespace = namespace if secret is None else namespace.authenticated(secret)
+        parsed = parse_url(url)
         self.url = redact_url(url)
         if cluster is not None and not isinstance(cluster, (bool, np.bool_)):
             raise TypeError(f"cluster: expected a bool or None, got {cluster!r}")
-        if cluster is not None and not cluster and scheme.endswith("+cluster"):
-            raise ValueError(f"cluster: expected True or None with a {scheme}:// URL, got False")
-        self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
-        if self.cluster and scheme == "unix":
+        if cluster is not None and not cluster and parsed.cluster:
+            raise ValueError(f"cluster: expected True or None with a {parsed.scheme}:// URL")
+        self.cluster = parsed.cluster if cluster is None else bool(cluster)
+        if self.cluster and parsed.scheme == "unix":
             raise ValueError("url: expected a redis:// or rediss:// URL with cluster=True")
-        username = _check_str("username", username)
-        password = _check_str("password", password)
-        if db is not None:
-            db = check_int("db", db, minimum=0)
-        self.ttl_s = _check_seconds("ttl_s", ttl_s, optional=True)
+        ssl_files = {"ssl_ca_certs": ssl_ca_certs, "ssl_certfile": ssl_certfile,
+                     "ssl_keyfile": ssl_keyfile}  # fmt: skip
+        for name, value in {"username": username, "password": password, **ssl_files}.items():
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name}: expected a str or None, got {type(value).__name__}")
+        db = None if db is None else check_int("db", db, minimum=0)
+        self.ttl_s = check_seconds("ttl_s", ttl_s, optional=True)
         self.max_value_bytes = check_int(
             "max_value_bytes", max_value_bytes, minimum=_MIN_VALUE_BYTES, maximum=_MAX_VALUE_LIMIT
         )
+        layer = max(namespace.layer_bytes(i, i + 1) for i in range(namespace.num_layers))
+        if MAX_HEADER_BYTES + layer > self.max_value_bytes:
+            raise ValueError(
+                f"max_value_bytes: expected at least {MAX_HEADER_BYTES + layer} (a header and "
+                f"the largest layer: a value holds whole layers), got {max_value_bytes}"
+            )
         self.max_pipeline_bytes = check_int(
             "max_pipeline_bytes", max_pipeline_bytes, minimum=self.max_value_bytes
         )
-        self.socket_timeout_s = _check_seconds("socket_timeout_s", socket_timeout_s)
-        self.connect_timeout_s = _check_seconds("connect_timeout_s", connect_timeout_s)
-        self.lookup_timeout_s = _check_seconds("lookup_timeout_s", lookup_timeout_s)
-        self.retries = check_int("retries", retries, minimum=0, maximum=10)
-        self.chunk_pending_s = _check_seconds("chunk_pending_s", chunk_pending_s)
+        seconds = {name: check_seconds(name, value) for name, value in (
+            ("socket_timeout_s", socket_timeout_s), ("connect_timeout_s", connect_timeout_s),
+            ("lookup_timeout_s", lookup_timeout_s), ("breaker_backoff_s", breaker_backoff_s),
+            ("breaker_max_backoff_s", breaker_max_backoff_s))}  # fmt: skip
+        retries = check_int("retries", retries, minimum=0, maximum=10)
         breaker_failures = check_int("breaker_failures", breaker_failures, minimum=1)
-        backoff = _check_seconds("breaker_backoff_s", breaker_backoff_s)
-        max_backoff = _check_seconds("breaker_max_backoff_s", breaker_max_backoff_s)
+        backoff, max_backoff = seconds["breaker_backoff_s"], seconds["breaker_max_backoff_s"]
         if max_backoff < backoff:
             raise ValueError(
                 f"breaker_max_backoff_s: expected >= breaker_backoff_s={backoff}, got {max_backoff}"
             )
         if not isinstance(require_server, (bool, np.bool_)):
             raise TypeError(f"require_server: expected a bool, got {require_server!r}")
-        for name, value in (
-            ("ssl_ca_certs", ssl_ca_certs),
-            ("ssl_certfile", ssl_certfile),
-            ("ssl_keyfile", ssl_keyfile),
-        ):
-            _check_str(name, value)
         if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
             raise TypeError(f"client_kwargs: expected a mapping or None, got {client_kwargs!r}")
-        if not isinstance(key_prefix, str):
-            raise TypeError(
-                f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}"
-            )
-        if not key_prefix or set("{}") & set(key_prefix):
-            raise ValueError(
-                f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}"
-            )
-        threads, queue_depth = self._pool_args(pool, threads, queue_depth)
-
+        if not isinstance(key_prefix, str) or not key_prefix or set("{}") & set(key_prefix):
+            kind = TypeError if not isinstance(key_prefix, str) else ValueError
+            raise kind(f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}")
+        threads, queue_depth, deadline_s = self._pool_args(pool, threads, queue_depth, deadline_s)
         options = client_options(
-            url,
-            scheme,
-            cluster=self.cluster,
-            username=username,
-            password=password,
-            db=db,
-            ssl_files={
-                "ssl_ca_certs": ssl_ca_certs,
-                "ssl_certfile": ssl_certfile,
-                "ssl_keyfile": ssl_keyfile,
-            },
-            client_kwargs=client_kwargs,
-            connect_timeout_s=self.connect_timeout_s,
-        )
-        self._server_keys = _Keys(key_prefix, namespace)
-        self._ranges = _Ranges(namespace.num_layers)
+            parsed, cluster=self.cluster, username=username, password=password, db=db,
+            ssl_files=ssl_files, client_kwargs=client_kwargs,
+            connect_timeout_s=seconds["connect_timeout_s"],
+        )  # fmt: skip
+        tag = f"{key_prefix}:v{FORMAT_VERSION}:"
+        self._base = f"{tag}{{{self.namespace.hex[:32]}:"  # + kd}:first-end, + kd}:idx
+        self._description = f"{tag}namespace:{self.namespace.hex[:32]}"
+        text = json.dumps(self.namespace.describe(), sort_keys=True, separators=(",", ":"))
+        self._description_json = text.encode()
         self._init_base()
         self._counts: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
-        self._counts["lookup_seconds_total"] = 0.0
-        self._counts["lookup_seconds_max"] = 0.0
         self._breaker = _Breaker(breaker_failures, backoff, max_backoff)
         self._tls = threading.local()
         self._connection = RedisConnection(
-            self.url,
-            options,
-            cluster=self.cluster,
-            socket_timeout_s=self.socket_timeout_s,
-            lookup_timeout_s=self.lookup_timeout_s,
-            retries=self.retries,
-            breaker=self._breaker,
-            max_pipeline_bytes=self.max_pipeline_bytes,
-            count=self._count,
-        )
+            self.url, options, cluster=self.cluster, retries=retries, breaker=self._breaker,
+            timeouts=(seconds["socket_timeout_s"], seconds["lookup_timeout_s"]),
+            max_pipeline_bytes=self.max_pipeline_bytes, count=self._count,
+        )  # fmt: skip
         try:
-            self._connection.start(self._server_keys.base, bool(require_server))
+            self._connection.start(self._base, bool(require_server), self._describe())
         except BaseException:
             self._connection.close()
             raise
-        # The pool last: a failed start-up leaves no threads behind.
-        self._attach_pool(pool, threads, queue_depth, "ckv-redis")
+        self._attach_pool(pool, threads, queue_depth, "ckv-redis", deadline_s)
 
     # ------------------------------------------------------------------ keys
 
     def unit_key(self, key: Any, first: int, end: int) -> str:
-        """The server key of ``key``'s unit (or manifest) of layers ``[first, end)``."""
+        """The server key of ``key``'s unit of layers ``[first, end)``."""
         first, end = self._range(first, end)
-        return self._server_keys.unit(key_digest(normalize_key(key)), first, end)
+        return self._unit(key_digest(key), first, end)
 
     def index_key(self, key: Any) -> str:
         """The server key of ``key``'s index of stored layer ranges (a sorted set)."""
-        return self._server_keys.index(key_digest(normalize_key(key)))
+        return self._index(key_digest(key))
 
-    def chunk_keys(self, key: Any, first: int, end: int, nonce: bytes, count: int) -> list[str]:
-        """The server keys of chunks 0..count-1 of a chunked unit whose manifest names ``nonce``."""
-        base = self.unit_key(key, first, end)
-        return [f"{base}:{nonce.hex()}:{i}" for i in range(count)]
+    def _unit(self, kd: str, first: int, end: int) -> str:
+        return f"{self._base}{kd}}}:{first}-{end}"
 
-    # ------------------------------------------------------------------ argument checks
+    def _index(self, kd: str) -> str:
+        return f"{self._base}{kd}}}:idx"
 
-    def _store_req(self, item: Any, name: str) -> _StoreReq:
-        if not isinstance(item, StoreItem):
-            if not isinstance(item, (tuple, list)) or not 4 <= len(item) <= 5:
-                raise TypeError(
-                    f"{name}: expected a StoreItem or (key, first, payload, position[, end]), "
-                    f"got {type(item).__name__}"
-                )
-            item = StoreItem(*item)
-        raw_key, first, end, position, view = self._store_args(
-            item.key, item.first, item.payload, item.position, item.end, name
-        )
-        return _StoreReq(raw_key, first, end, position, view)
+    def _describe(self) -> Command:
+        """The namespace's description, kept beside its units for ``store verify|stats``
+        (refreshed by every store: a restarted server gets it back)."""
+        px = () if self.ttl_s is None else ("PX", max(1, int(self.ttl_s * 1000)))
+        return Command("SET", self._description, self._description_json, *px)
 
-    def _load_req(self, item: Any, name: str) -> _LoadReq:
-        if not isinstance(item, LoadItem):
-            if not isinstance(item, (tuple, list)) or len(item) != 4:
-                raise TypeError(
-                    f"{name}: expected a LoadItem or (key, first, end, destination), "
-                    f"got {type(item).__name__}"
-                )
-            item = LoadItem(*item)
-        raw_key, first, end, view = self._load_args(
-            item.key, item.first, item.end, item.destination, name
-        )
-        return _LoadReq(raw_key, first, end, view)
+    def _pieces(self, first: int, end: int, head: int) -> list[tuple[int, int]]:
+        """``[first, end)`` as consecutive ranges whose units fit ``max_value_bytes``."""
+        ns, limit = self.namespace, self.max_value_bytes - head
+        if ns.layer_bytes(first, end) <= limit:
+            return [(first, end)]
+        pieces, a = [], first
+        while a < end:
+            b = a + 1
+            while b < end and ns.layer_bytes(a, b + 1) <= limit:
+                b += 1
+            pieces.append((a, b))
+            a = b
+        return pieces
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
-        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are stored
-        (:meth:`.PageTier.lookup`).
-
-        One pipelined round trip for the whole batch (the keys' indexes), on
-        the caller's thread, bounded by ``lookup_timeout_s`` (no retries). A
-        unit evicted since is a miss at load time. Server down, slow or
-        skipped: 0 (counted), never an exception.
-        """
-        self._check_open()
-        first, end = self._range(first, end)
-        raws = self._keys(keys)
-        return self._lookup(raws, first, end, lookup=True)
-
-    def _lookup(self, raws: list[bytes], first: int, end: int, *, lookup: bool) -> int:
+    def _lookup(self, raws: list[bytes], first: int, end: int, *, inline: bool) -> int:
+        """One round trip: per key its index and whether the exact unit exists (so the
+        common same-split answer is exact; covers from other splits are the index's word)."""
         started = time.perf_counter()
         found, unavailable = 0, False
         if raws:
-            ops = lookup_ops(self._server_keys, raws, first, end)
+            now_ms = f"{time.time() * 1000.0:.0f}"
+            ops = []
+            for raw in raws:
+                kd = key_digest(raw)
+                ops.append(Command("ZRANGE", self._index(kd), now_ms, "+inf", "BYSCORE"))
+                ops.append(Command("EXISTS", self._unit(kd, first, end)))
             try:
-                replies = self._connection.roundtrip(ops, lookup=lookup, direct=True)
+                replies = self._connection.roundtrip(ops, lookup=inline, direct=True)
             except _Unavailable:
-                unavailable = True
-                replies = []
-            found = covered_prefix(self._ranges, replies, first, end)
+                unavailable, replies = True, []
+            for members, exists in zip(replies[0::2], replies[1::2]):
+                stored = parse_ranges(members, self.namespace.num_layers)
+                (stored.add if exists == 1 else stored.discard)((first, end))
+                if isinstance(exists, Exception) or cover(stored, first, end) is None:
+                    break
+                found += 1
         elapsed = time.perf_counter() - started
         with self._lock:
             c = self._counts
@@ -355,137 +352,192 @@ class RedisStore(_Publishing, _Reading, TierBase):
             c["lookup_seconds_max"] = max(c["lookup_seconds_max"], elapsed)
         return found
 
-    def submit_lookup(self, keys: Sequence[Any], first: int, end: int) -> IOJob:
-        """:meth:`lookup` in a pool thread (``socket_timeout_s``, retries); the job's value is the prefix length."""
-        self._check_open()
-        first, end = self._range(first, end)
-        raws = self._keys(keys)
-        job = self.pool.submit(
-            "lookup",
-            lambda: JobOutcome("ok", value=self._lookup(raws, first, end, lookup=False)),
-            {"keys": raws, "first": first, "end": end},
-        )
-        if job.refused:
-            self._count("lookups_refused")
-        return job
-
     # ------------------------------------------------------------------ store
 
-    def _store_job(self, reqs: list[_StoreReq], single: bool) -> IOJob:
-        if single:
-            r = reqs[0]
-            info = {"key": r.raw_key, "first": r.first, "end": r.end, "position": r.position}
-            return self.pool.make_job("store", lambda: self._store_units(reqs)[0], info)
-        info = {"items": len(reqs), "keys": [r.raw_key for r in reqs]}
-        return self.pool.make_job("stores", lambda: batch_outcome(self._store_units(reqs)), info)
+    def _store_units(self, reqs: list[StoreReq]) -> list[JobOutcome]:
+        """Publish ``reqs`` in one round trip: each unit (or piece) with ``SET NX``, then
+        the indexes (after every unit: a reader finding a range listed finds its unit
+        unless evicted since; score = the unit's expiry, so lookups skip expired ones)."""
+        if not reqs:
+            return []
+        ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+        ns = self.namespace
+        px = () if ttl_ms is None else ("PX", ttl_ms)
+        plans, ops, index = [], [], []
+        for req in reqs:
+            head = header_length(req.raw_key)
+            pieces = self._pieces(req.first, req.end, head)
+            offsets = ns.payload_offsets(req.first, req.end)
+            plans.append((req, len(ops), pieces))
+            for a, b in pieces:
+                payload = req.payload[offsets[a - req.first] : offsets[b - req.first]]
+                # Header and payload leave unjoined; the header is made (hashed) as it is sent.
+                value = _Parts(_Header(head, ns, req.raw_key, a, b, req.position, payload), payload)
+                size = head + len(payload)
+                ops.append(Command("SET", self._unit(req.kd, a, b), value, *px, "NX", size=size))
+            index += self._index_ops(self._index(req.kd), pieces, ttl_ms)
+        index.append(self._describe())
+        try:  # claimed while sending: an expired job neither reads the payloads nor publishes
+            replies = self._connection.roundtrip(ops + index, direct=True, guard=claimed)
+        except _Unavailable as why:
+            self._count("stores_dropped", len(reqs))
+            return [JobOutcome("error", detail=f"dropped: {why}") for _ in reqs]
+        self._count("bytes_sent", sum(op.size for op in ops))
+        return [self._store_outcome(req, pieces, replies[at : at + len(pieces)])
+                for req, at, pieces in plans]  # fmt: skip
 
-    def _submit(self, job: IOJob, counter: str) -> IOJob:
-        job = self.pool.submit_job(job)
-        if job.refused:
-            self._count(counter, max(1, job.info.get("items", 1)))
-        return job
+    def _store_outcome(self, req: StoreReq, pieces: list, replies: list) -> JobOutcome:
+        """What the ``SET NX`` replies of one request's units say (OK: won; nil: there)."""
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:  # e.g. OOM under noeviction, NOPERM
+            self._count("stores_failed")
+            return JobOutcome("error", detail=f"refused by the server: {error}", error=error)
+        won = [rng for rng, reply in zip(pieces, replies) if reply is not None]
+        nbytes = sum(self.namespace.layer_bytes(*rng) for rng in won)
+        with self._lock:
+            self._counts["units_stored"] += len(won)
+            self._counts["bytes_stored"] += nbytes
+            self._counts["stores_skipped"] += len(pieces) - len(won)
+        if len(won) == len(pieces):
+            return JobOutcome("ok", nbytes=nbytes)
+        there = f"{len(pieces) - len(won)} of {len(pieces)} units" if won else "already stored"
+        return JobOutcome("ok", nbytes=nbytes, detail=f"{there} (another writer first)")
 
-    def submit_store(
-        self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
-    ) -> IOJob:
-        """Queue the store of one unit; never blocks (:meth:`.PageTier.submit_store`).
-
-        Returns
-        -------
-        IOJob
-            ``"ok"`` once stored (or already there: see ``detail``), ``"error"``
-            when dropped (server down: ``detail`` starts with ``"dropped"``) or
-            refused by the server, or ``"refused"`` at once when the queue is full.
-        """
-        self._check_open()
-        req = self._store_req(StoreItem(key, first, payload, position, end), "item")
-        return self._submit(self._store_job([req], True), "stores_refused")
-
-    def store(
-        self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
-    ) -> IOJob:
-        """:meth:`submit_store`, run in the calling thread; returns the finished job."""
-        self._check_open()
-        req = self._store_req(StoreItem(key, first, payload, position, end), "item")
-        return run_inline(self._store_job([req], True))
-
-    def submit_stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
-        """Queue the store of several units as ONE job: one pipelined round trip.
-
-        Parameters
-        ----------
-        items : sequence of StoreItem or (key, first, payload, position[, end])
-            As :meth:`submit_store`'s arguments.
-
-        Returns
-        -------
-        IOJob
-            Its ``value`` is a list of :class:`JobOutcome`, one per item in
-            order (``"ok"`` or ``"error"``); its status is the worst of them
-            (``"refused"`` at once when the queue is full).
-        """
-        self._check_open()
-        reqs = [self._store_req(item, f"items[{i}]") for i, item in enumerate(items)]
-        return self._submit(self._store_job(reqs, False), "stores_refused")
-
-    def stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
-        """:meth:`submit_stores`, run in the calling thread; returns the finished job."""
-        self._check_open()
-        reqs = [self._store_req(item, f"items[{i}]") for i, item in enumerate(items)]
-        return run_inline(self._store_job(reqs, False))
+    @staticmethod
+    def _index_ops(index: str, ranges: Sequence[tuple[int, int]], ttl_ms: int | None) -> list:
+        now_ms = time.time() * 1000.0
+        expiry = math.inf if ttl_ms is None else now_ms + ttl_ms
+        members = [x for a, b in ranges for x in (expiry, f"{a}-{b}".encode())]
+        # PERSIST, or PEXPIRE NX (a new index gets the TTL) and GT (an old one only grows).
+        expiry_ops = [("PERSIST", index)] if ttl_ms is None else [
+            ("PEXPIRE", index, ttl_ms, "NX"), ("PEXPIRE", index, ttl_ms, "GT")]  # fmt: skip
+        return [
+            Command("ZADD", index, "GT", *members),
+            Command("ZREMRANGEBYSCORE", index, "-inf", f"({now_ms:.0f}"),
+            *(Command(*args) for args in expiry_ops),
+        ]
 
     # ------------------------------------------------------------------ load
 
-    def _load_job(self, reqs: list[_LoadReq], single: bool) -> IOJob:
-        if single:
-            r = reqs[0]
-            info = {"key": r.raw_key, "first": r.first, "end": r.end}
-            return self.pool.make_job("load", lambda: self._load_units(reqs)[0], info)
-        info = {"items": len(reqs), "keys": [r.raw_key for r in reqs]}
-        return self.pool.make_job("loads", lambda: batch_outcome(self._load_units(reqs)), info)
+    def _verify(self, raw_key: bytes, rng: tuple, header: Any, payload: Any) -> str | None:
+        """None when ``header`` + ``payload`` is exactly unit ``rng`` of ``raw_key``, else why not."""
+        try:
+            hasher, checksum = begin_unit_check(
+                header, namespace=self.namespace, key=raw_key, first=rng[0], end=rng[1]
+            )
+            if len(payload) != self.namespace.layer_bytes(*rng):
+                return f"payload of {len(payload)} bytes"
+            hasher.update(payload)
+            return None if hasher.digest() == checksum else "checksum mismatch"
+        except CorruptUnit as bad:
+            return bad.reason
 
-    def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``
-        (:meth:`.PageTier.submit_load`).
+    def _land(self, ld: _Load, rng: tuple[int, int], header: Any, payload: Any) -> tuple:
+        """A unit read (straight into scratch, or whole): verified, then placed; the reply
+        becomes ``(bytes read, None or why it is corrupt)``."""
+        problem = self._verify(ld.req.raw_key, rng, header, payload)
+        if problem is None:
+            self._place(ld, rng, payload)
+        return len(header) + len(payload), problem
 
-        Returns
-        -------
-        IOJob
-            ``"ok"``, ``"miss"`` (absent, evicted, expired, corrupt, or server
-            unavailable: see ``detail``) or, at once, ``"refused"``.
-        """
-        self._check_open()
-        req = self._load_req(LoadItem(key, first, end, destination), "item")
-        return self._submit(self._load_job([req], True), "loads_refused")
+    def _place(self, ld: _Load, rng: tuple[int, int], payload: Any) -> None:
+        """Copy the verified unit ``rng``'s layers inside the request into its destination."""
+        req, (a, b) = ld.req, rng
+        lo, hi = max(a, req.first), min(b, req.end)
+        src = self.namespace.payload_offsets(a, b)
+        dst = self.namespace.payload_offsets(req.first, req.end)
+        with claimed():  # an expired job never writes caller memory
+            req.dest[dst[lo - req.first] : dst[hi - req.first]] = payload[src[lo - a] : src[hi - a]]
+        ld.done.add(rng)
+        self._count("units_loaded")
 
-    def load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """:meth:`submit_load`, run in the calling thread; returns the finished job."""
-        self._check_open()
-        req = self._load_req(LoadItem(key, first, end, destination), "item")
-        return run_inline(self._load_job([req], True))
+    def _get(self, ld: _Load, rng: tuple[int, int]) -> Command:
+        head = header_length(ld.req.raw_key)
+        into = _Into(head, self.namespace.layer_bytes(*rng), functools.partial(self._land, ld, rng))
+        return Command("GET", self._unit(ld.req.kd, *rng), size=head + into.size, into=into)
 
-    def submit_loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
-        """Queue the load of several units as ONE job (one round trip when stored as asked).
+    def _load_units(self, reqs: list[LoadReq]) -> list[JobOutcome]:
+        """Each unit read once into this thread's scratch, verified there, then copied into
+        its destination: the exact unit and the index first, covering units after."""
+        loads = [_Load(req) for req in reqs]
+        cleanup: list[Command] = []
+        deleted = 0
+        scratch = functools.partial(_scratch, self._tls, "load")
+        roundtrip = functools.partial(self._connection.roundtrip, direct=True, scratch=scratch)
 
-        Parameters
-        ----------
-        items : sequence of LoadItem or (key, first, end, destination)
+        def exclude(ld: _Load, rng: tuple[int, int], why: str, delete: bool = False) -> None:
+            """Never use ``rng`` for this item again; forget it on the server (best effort)."""
+            nonlocal deleted
+            ld.excluded.add(rng)
+            ld.problems.append(f"{rng[0]}-{rng[1]} {why}")
+            cleanup.append(Command("ZREM", self._index(ld.req.kd), f"{rng[0]}-{rng[1]}"))
+            if delete:
+                cleanup.append(Command("DEL", self._unit(ld.req.kd, *rng)))
+                deleted += 1
 
-        Returns
-        -------
-        IOJob
-            Its ``value`` is a list of :class:`JobOutcome`, one per item in
-            order (``"ok"`` or ``"miss"``); its status is the worst of them.
-        """
-        self._check_open()
-        reqs = [self._load_req(item, f"items[{i}]") for i, item in enumerate(items)]
-        return self._submit(self._load_job(reqs, False), "loads_refused")
+        def on_value(ld: _Load, rng: tuple[int, int], value: Any) -> None:
+            if value is None:
+                self._count("stale_removed")
+                return exclude(ld, rng, "vanished (evicted or expired)")
+            if isinstance(value, Exception):
+                ld.excluded.add(rng)
+                ld.problems.append(f"{rng[0]}-{rng[1]} unreadable: {value}")
+                return None
+            if not isinstance(value, tuple):  # not the unit's size, or a cluster's reply
+                head, view = header_length(ld.req.raw_key), memoryview(value)
+                value = self._land(ld, rng, view[:head], view[head:])
+            nbytes, problem = value
+            self._count("bytes_received", nbytes)
+            if problem is not None:
+                self._count("corrupt_detected")
+                exclude(ld, rng, f"corrupt: {problem}", delete=True)
+            return None
 
-    def loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
-        """:meth:`submit_loads`, run in the calling thread; returns the finished job."""
-        self._check_open()
-        reqs = [self._load_req(item, f"items[{i}]") for i, item in enumerate(items)]
-        return run_inline(self._load_job(reqs, False))
+        unavailable = None
+        try:
+            now_ms = f"{time.time() * 1000.0:.0f}"
+            ops = []
+            for ld in loads:
+                ops.append(self._get(ld, (ld.req.first, ld.req.end)))
+                ops.append(Command("ZRANGE", self._index(ld.req.kd), now_ms, "+inf", "BYSCORE"))
+            replies = roundtrip(ops)
+            for ld, value, members in zip(loads, replies[0::2], replies[1::2]):
+                exact = (ld.req.first, ld.req.end)
+                ld.ranges = parse_ranges(members, self.namespace.num_layers)
+                if value is not None:
+                    ld.ranges.add(exact)
+                    on_value(ld, exact, value)
+                elif exact in ld.ranges:
+                    self._count("stale_removed")
+                    exclude(ld, exact, "vanished (evicted or expired)")
+            for _round in range(_MAX_LOAD_ROUNDS):
+                ops, wanted = [], []
+                for ld in (ld for ld in loads if ld.outcome is None):
+                    chain = cover(ld.ranges - ld.excluded, *ld.span)
+                    todo = [] if chain is None else [r for r in chain if r not in ld.done]
+                    detail = "; ".join(ld.problems)
+                    if chain is None:
+                        ld.outcome = JobOutcome("miss", detail=detail or "not stored")
+                    elif not todo:
+                        ld.outcome = JobOutcome("ok", nbytes=len(ld.req.dest), detail=detail)
+                    ops += [self._get(ld, rng) for rng in todo]
+                    wanted += [(ld, rng) for rng in todo]
+                if not ops:
+                    break
+                for (ld, rng), value in zip(wanted, roundtrip(ops)):
+                    on_value(ld, rng, value)
+        except _Unavailable as why:
+            unavailable = f"unavailable: {why}"
+        outcomes, missed = [], JobOutcome("miss", detail=unavailable or "gave up (too many rounds)")
+        for ld in loads:
+            outcome = ld.outcome or missed
+            self._count("loads_unavailable", ld.outcome is None and unavailable is not None)
+            self._count("hits" if outcome.status == "ok" else "misses")
+            self._count("bytes_loaded", outcome.nbytes)
+            outcomes.append(outcome)
+        if unavailable is None:
+            self._connection.cleanup(cleanup, deleted)
+        return outcomes
 
     # ------------------------------------------------------------------ upkeep
 
@@ -502,18 +554,23 @@ class RedisStore(_Publishing, _Reading, TierBase):
         """False while the circuit breaker skips the server."""
         return self._breaker.closed
 
-    def close(self, *, cancel: bool = False) -> None:
-        """Finish (or cancel) queued jobs of an owned pool, then close the connections."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._own_pool:
-            self.pool.close(cancel=cancel)
+    def _close_resources(self) -> None:
         self._connection.close()
-
-    def __enter__(self) -> RedisStore:
-        return self
 
     def __repr__(self) -> str:
         kind = "cluster" if self.cluster else "server"
         return f"RedisStore({self.url!r}, {kind}, namespace={self.namespace.hex[:16]}...)"
+
+
+class _Load:
+    """One item of a batched load while its rounds run."""
+
+    __slots__ = ("done", "excluded", "outcome", "problems", "ranges", "req", "span")
+
+    def __init__(self, req: LoadReq) -> None:
+        self.req, self.span = req, (req.first, req.end)
+        self.ranges: set[tuple[int, int]] = set()
+        self.excluded: set[tuple[int, int]] = set()
+        self.done: set[tuple[int, int]] = set()
+        self.problems: list[str] = []
+        self.outcome: JobOutcome | None = None

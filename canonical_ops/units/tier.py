@@ -1,54 +1,51 @@
-"""What every persistent tier shares: the interface StageCache drives, and its plumbing.
+"""The unit-store interface every adapter codes against, implemented once.
 
-:class:`PageTier` is the shape :class:`~canonical_ops.frontend.tiers.StageCache`
-drives (a :class:`~.files.FileStore`, a :class:`~.redis_store.RedisStore`, or
-anything written like them), documented once here. :class:`TierBase` holds what
-both stores implement the same way: the checks of a unit's arguments (block key,
-layer range, payload or destination, position; every one names the argument and
-what was expected), the counters' lock, and the job pool's poll / wait.
+A *unit* is one block's canonical pages of the layers ``[first, end)`` in layer order:
+``namespace.layer_bytes(first, end)`` bytes, a region row of the pipeline stage owning
+those layers. :class:`UnitStore` is batch-first, as vLLM's tiers are: one job moves many
+units. It checks every argument (naming it and what was expected), builds the jobs,
+counts refusals and offers the one-unit and inline forms; a store (:class:`~.files.FileStore`,
+:class:`~.redis_store.RedisStore`) implements three primitives: ``_lookup``,
+``_store_units`` and ``_load_units``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-from ..checks import check_int
-from .jobs import IOJob, JobPool
+from ..checks import check_int, check_seconds
+from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
-from .unit import as_byte_view, normalize_key
+from .unit import as_byte_view, key_digest, normalize_key
 
-__all__ = ["PageTier", "TierBase", "TierMetrics"]
+__all__ = [
+    "LoadItem",
+    "LoadReq",
+    "PageTier",
+    "StoreItem",
+    "StoreReq",
+    "TierBase",
+    "TierMetrics",
+    "UnitStore",
+    "batch_outcome",
+]
 
 MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in unit headers; int64 elsewhere
+DEFAULT_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
 class TierMetrics:
-    """The counters every tier reports (a snapshot since it started); each tier adds its own.
+    """The counters every store reports (a snapshot since it started); each adds its own.
 
-    Attributes
-    ----------
-    units_stored, bytes_stored : int
-        Units this store published (payload bytes).
-    stores_skipped : int
-        Stores that found the unit already there (another writer won: first writer wins).
-    stores_failed : int
-        Stores that failed (the tier's subclass says how).
-    stores_refused, loads_refused : int
-        Jobs refused by back-pressure (queue full) or after close.
-    units_loaded, bytes_loaded : int
-        Units read, verified and copied into destinations (payload bytes).
-    hits, misses : int
-        Loads that did / did not fill their destination.
-    lookup_blocks, lookup_hit_blocks : int
-        Keys asked about by ``lookup``, and found (the prefix).
-    corrupt_detected : int
-        Units that failed verification: each one a miss, never a load.
+    ``stores_skipped``: the unit was already there (first writer wins); ``*_refused``:
+    back-pressure or closed; ``hits``/``misses``: loads that did / did not fill their
+    destination; ``corrupt_detected``: units that failed verification (each a miss).
     """
 
     units_stored: int = 0
@@ -59,6 +56,7 @@ class TierMetrics:
     units_loaded: int = 0
     bytes_loaded: int = 0
     loads_refused: int = 0
+    lookups_refused: int = 0
     hits: int = 0
     misses: int = 0
     lookup_blocks: int = 0
@@ -66,121 +64,74 @@ class TierMetrics:
     corrupt_detected: int = 0
 
 
-@runtime_checkable
-class PageTier(Protocol):
-    """A persistent tier of canonical units (what :class:`StageCache` needs).
+@dataclass(frozen=True)
+class StoreItem:
+    """One unit to store: ``payload`` (uint8 buffer, unchanged until the job finishes) holds
+    layers ``[first, end)`` of ``key``; ``position`` is the block's index in its sequence
+    (tails are evicted first); ``end`` defaults to what the payload's length implies."""
 
-    A *unit* is one block's canonical pages of the layers ``[first, end)``, in
-    layer order: exactly ``namespace.layer_bytes(first, end)`` bytes, a region
-    row of the pipeline stage owning those layers. Every call that does I/O
-    has a ``submit_*`` form that queues a job on the tier's bounded pool and
-    never blocks (a full queue: the job is ``"refused"`` at once), and a plain
-    form that runs it on the calling thread and returns the finished job.
-    """
-
-    namespace: StoreNamespace
-
-    def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
-        """Length of the prefix of ``keys`` whose layers ``[first, end)`` are stored.
-
-        Any mix of stored layer ranges that covers ``[first, end)`` counts (units
-        of other pipeline splits). Nothing is verified here: a load verifies.
-
-        Parameters
-        ----------
-        keys : sequence of bytes | str | int
-            Block keys of consecutive blocks, first block first.
-        first, end : int
-            Layer range the caller needs.
-        """
-        ...
-
-    def submit_store(
-        self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
-    ) -> IOJob:
-        """Queue the store of one unit; never blocks.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-            Block key.
-        first : int
-            First layer of ``payload``.
-        payload : buffer
-            uint8, the canonical pages of layers ``[first, end)`` in layer
-            order (a region row): ``namespace.layer_bytes(first, end)`` bytes.
-            It must not change until the job is finished.
-        position : int
-            The block's index in its sequence (kept in the unit's header; tiers
-            that evict by themselves drop tails first).
-        end : int, optional
-            One past the last layer; inferred from the payload length (needed
-            only when empty layers make it ambiguous).
-
-        Returns
-        -------
-        IOJob
-            ``"ok"`` once stored (or already there, first writer wins: see
-            ``detail``), ``"error"`` when nothing was stored, or ``"refused"``
-            at once when the queue is full.
-        """
-        ...
-
-    def store(
-        self, key: Any, first: int, payload: Any, position: int, *, end: int | None = None
-    ) -> IOJob:
-        """:meth:`submit_store`, run in the calling thread; returns the finished job."""
-        ...
-
-    def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """Queue the load of layers ``[first, end)`` of ``key`` into ``destination``.
-
-        Parameters
-        ----------
-        key : bytes | str | int
-        first, end : int
-            Layer range; any stored split that covers it will do.
-        destination : writable buffer
-            uint8, exactly ``namespace.layer_bytes(first, end)`` bytes (a region
-            row or a slice of one). It holds the layers, verified, only when the
-            job finishes ``"ok"``; after any other status its bytes are
-            undefined and must not be reported loaded.
-
-        Returns
-        -------
-        IOJob
-            ``"ok"``, ``"miss"`` (absent or corrupt: see ``detail``), ``"error"``
-            or, at once, ``"refused"``.
-        """
-        ...
-
-    def load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
-        """:meth:`submit_load`, run in the calling thread; returns the finished job."""
-        ...
-
-    def metrics(self) -> TierMetrics:
-        """A consistent snapshot of the tier's counters."""
-        ...
-
-    def poll(self) -> list[IOJob]:
-        """Jobs finished since the last poll (of the pool: every tier's if it is shared)."""
-        ...
-
-    def wait(self, job: IOJob, timeout: float | None = None) -> IOJob:
-        """Block until ``job`` is finished (``TimeoutError`` after ``timeout`` seconds)."""
-        ...
-
-    def close(self, *, cancel: bool = False) -> None:
-        """Finish (or cancel) queued jobs of an owned pool; no new jobs afterwards."""
-        ...
+    key: Any
+    first: int
+    payload: Any
+    position: int = 0
+    end: int | None = None
 
 
-class TierBase:
-    """The parts :class:`~.files.FileStore` and :class:`~.redis_store.RedisStore` share.
+@dataclass(frozen=True)
+class LoadItem:
+    """One unit to load: layers ``[first, end)`` of ``key`` into ``destination`` (writable
+    uint8 buffer; it holds verified bytes only when the item's outcome is ``"ok"``)."""
 
-    A subclass sets ``namespace``, ``pool`` (a :class:`JobPool`) and
-    ``_counts`` (counter name -> number) in its ``__init__`` after calling
-    :meth:`_init_base`.
+    key: Any
+    first: int
+    end: int
+    destination: Any
+
+
+class StoreReq:
+    """A checked :class:`StoreItem`: raw key, its digest ``kd``, range, position, payload bytes."""
+
+    __slots__ = ("end", "first", "kd", "payload", "position", "raw_key")
+
+    def __init__(self, raw_key: bytes, first: int, end: int, position: int, payload: memoryview):
+        self.raw_key, self.first, self.end = raw_key, first, end
+        self.position, self.payload, self.kd = position, payload, key_digest(raw_key)
+
+
+class LoadReq:
+    """A checked :class:`LoadItem`: raw key, its digest ``kd``, range, destination bytes."""
+
+    __slots__ = ("dest", "end", "first", "kd", "raw_key")
+
+    def __init__(self, raw_key: bytes, first: int, end: int, dest: memoryview):
+        self.raw_key, self.first, self.end, self.dest = raw_key, first, end, dest
+        self.kd = key_digest(raw_key)
+
+
+_STATUS_ORDER = {"ok": 0, "miss": 1, "corrupt": 2, "error": 3}
+
+
+def batch_outcome(outcomes: list[JobOutcome]) -> JobOutcome:
+    """The outcome of a batch job: the worst status, the counts, each item's outcome."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    return JobOutcome(
+        max((o.status for o in outcomes), key=_STATUS_ORDER.__getitem__, default="ok"),
+        nbytes=sum(o.nbytes for o in outcomes),
+        detail=", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
+        value=outcomes,
+    )
+
+
+class UnitStore:
+    """Base of the unit stores: checked, batch-first jobs over three primitives.
+
+    A subclass sets ``namespace`` and ``_counts`` (counter name -> number), calls
+    :meth:`_init_base` and, last in ``__init__``, :meth:`_attach_pool`; it implements
+    ``_lookup(raw_keys, first, end, *, inline) -> int`` (``inline``: on the caller's
+    thread), ``_store_units(reqs) -> [JobOutcome]``, ``_load_units(reqs) -> [JobOutcome]``
+    and ``metrics()``, and may override ``_close_resources()``.
     """
 
     namespace: StoreNamespace
@@ -194,8 +145,10 @@ class TierBase:
     # ------------------------------------------------------------------ the job pool
 
     @staticmethod
-    def _pool_args(pool: Any, threads: Any, queue_depth: Any) -> tuple[int, int]:
-        """Checked ``(threads, queue_depth)`` of an own pool (defaults 4 and 64)."""
+    def _pool_args(
+        pool: Any, threads: Any, queue_depth: Any, deadline_s: Any = DEFAULT_DEADLINE_S
+    ) -> tuple[int, int, float | None]:
+        """Checked ``(threads, queue_depth, deadline_s)`` of an own pool (4, 64, 30 s)."""
         if pool is not None:
             if not isinstance(pool, JobPool):
                 raise TypeError(f"pool: expected a JobPool, got {type(pool).__name__}")
@@ -203,17 +156,29 @@ class TierBase:
                 raise ValueError(
                     "threads, queue_depth: expected None with a shared pool (it has its own)"
                 )
+            if deadline_s != DEFAULT_DEADLINE_S and deadline_s != pool.deadline_s:
+                raise ValueError(
+                    f"deadline_s: expected the shared pool's ({pool.deadline_s}), got {deadline_s}"
+                )
         threads = 4 if threads is None else check_int("threads", threads, minimum=1)
         queue_depth = (
             64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
         )
-        return threads, queue_depth
+        deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
+        return threads, queue_depth, deadline_s
 
-    def _attach_pool(self, pool: JobPool | None, threads: int, queue_depth: int, name: str) -> None:
+    def _attach_pool(
+        self,
+        pool: JobPool | None,
+        threads: int,
+        queue_depth: int,
+        name: str,
+        deadline_s: float | None = None,
+    ) -> None:
         """The shared ``pool``, or an own one (closed by :meth:`close`). Called last in
         ``__init__``: a failed start-up leaves no threads behind."""
         self._own_pool = pool is None
-        self.pool = pool if pool is not None else JobPool(threads, queue_depth, name=name)
+        self.pool = pool or JobPool(threads, queue_depth, name=name, deadline_s=deadline_s)
 
     # ------------------------------------------------------------------ argument checks
 
@@ -227,70 +192,192 @@ class TierBase:
             raise TypeError("keys: expected a sequence of block keys, got a single key; wrap it")
         return [normalize_key(k) for k in keys]
 
-    def _store_args(
-        self, key: Any, first: Any, payload: Any, position: Any, end: Any, name: str = ""
-    ) -> tuple[bytes, int, int, int, memoryview]:
-        """``(raw key, first, end, position, payload bytes)`` of one unit to store, checked.
+    def _sized(self, view: memoryview, first: int, end: int, what: str) -> memoryview:
+        expected = self.namespace.layer_bytes(first, end)
+        if len(view) != expected:
+            raise ValueError(
+                f"{what}: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
+            )
+        return view
 
-        ``name`` prefixes the argument names in messages (``"items[3]"``).
-        """
-        prefix = f"{name}." if name else ""
-        raw_key = normalize_key(key)
-        view = as_byte_view(payload, name=f"{prefix}payload")
+    def _store_req(self, item: Any, name: str) -> StoreReq:
+        if not isinstance(item, StoreItem):
+            if not isinstance(item, (tuple, list)) or not 4 <= len(item) <= 5:
+                raise TypeError(
+                    f"{name}: expected a StoreItem or (key, first, payload, position[, end]), "
+                    f"got {type(item).__name__}"
+                )
+            item = StoreItem(*item)
+        raw_key = normalize_key(item.key)
+        view = as_byte_view(item.payload, name=f"{name}.payload")
+        first, end = item.first, item.end
         if end is None:
             ends = self.namespace.unit_ends(first, len(view))
             if len(ends) != 1:
                 raise ValueError(
-                    f"{prefix}payload: {len(view)} bytes match no layer range starting at "
+                    f"{name}.payload: {len(view)} bytes match no layer range starting at "
                     f"layer {first}"
                     if not ends
-                    else f"{prefix}end: {len(view)} bytes from layer {first} end at any of "
+                    else f"{name}.end: {len(view)} bytes from layer {first} end at any of "
                     f"{ends} (empty layers); pass end"
                 )
             end = ends[0]
         first, end = self._range(first, end)
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"{prefix}payload: expected {expected} bytes (layers [{first}, {end})), "
-                f"got {len(view)}"
-            )
-        position = check_int(f"{prefix}position", position, minimum=0, maximum=MAX_POSITION)
-        return raw_key, first, end, position, view
+        view = self._sized(view, first, end, f"{name}.payload")
+        position = check_int(f"{name}.position", item.position, minimum=0, maximum=MAX_POSITION)
+        return StoreReq(raw_key, first, end, position, view)
 
-    def _load_args(
-        self, key: Any, first: Any, end: Any, destination: Any, name: str = ""
-    ) -> tuple[bytes, int, int, memoryview]:
-        """``(raw key, first, end, destination bytes)`` of one unit to load, checked."""
-        prefix = f"{name}." if name else ""
-        raw_key = normalize_key(key)
-        first, end = self._range(first, end)
-        view = as_byte_view(destination, writable=True, name=f"{prefix}destination")
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"{prefix}destination: expected {expected} bytes (layers [{first}, {end})), "
-                f"got {len(view)}"
-            )
-        return raw_key, first, end, view
+    def _load_req(self, item: Any, name: str) -> LoadReq:
+        if not isinstance(item, LoadItem):
+            if not isinstance(item, (tuple, list)) or len(item) != 4:
+                raise TypeError(
+                    f"{name}: expected a LoadItem or (key, first, end, destination), "
+                    f"got {type(item).__name__}"
+                )
+            item = LoadItem(*item)
+        raw_key = normalize_key(item.key)
+        first, end = self._range(item.first, item.end)
+        view = as_byte_view(item.destination, writable=True, name=f"{name}.destination")
+        return LoadReq(raw_key, first, end, self._sized(view, first, end, f"{name}.destination"))
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
 
-    # ------------------------------------------------------------------ counters and jobs
+    # ------------------------------------------------------------------ jobs
+
+    def _job(
+        self,
+        kind: str,
+        reqs: list[Any],
+        work: Callable[[list[Any]], list[JobOutcome]],
+        single: bool,
+        submit: bool,
+        refused: str,
+    ) -> IOJob:
+        if single:
+            r = reqs[0]
+            info = {"key": r.raw_key, "first": r.first, "end": r.end}
+            job = self.pool.make_job(kind, lambda: work(reqs)[0], info)
+        else:
+            info = {"items": len(reqs), "keys": [r.raw_key for r in reqs]}
+            job = self.pool.make_job(f"{kind}s", lambda: batch_outcome(work(reqs)), info)
+        if not submit:
+            return run_inline(job)
+        job = self.pool.submit_job(job)
+        if job.refused:
+            self._count(refused, len(reqs))
+        return job
+
+    def _stores(self, items: Sequence[Any], single: bool, submit: bool) -> IOJob:
+        self._check_open()
+        name = "item" if single else "items[{}]"
+        reqs = [self._store_req(item, name.format(i)) for i, item in enumerate(items)]
+        return self._job("store", reqs, self._store_units, single, submit, "stores_refused")
+
+    def _loads(self, items: Sequence[Any], single: bool, submit: bool) -> IOJob:
+        self._check_open()
+        name = "item" if single else "items[{}]"
+        reqs = [self._load_req(item, name.format(i)) for i, item in enumerate(items)]
+        return self._job("load", reqs, self._load_units, single, submit, "loads_refused")
+
+    def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
+        """Length of the prefix of ``keys`` (consecutive blocks) whose layers ``[first, end)``
+        are stored, in any mix of layer ranges that covers them. Nothing is verified here:
+        a load verifies. May touch disk or network on the caller's thread."""
+        self._check_open()
+        first, end = self._range(first, end)
+        return self._lookup(self._keys(keys), first, end, inline=True)
+
+    def submit_lookup(self, keys: Sequence[Any], first: int, end: int) -> IOJob:
+        """:meth:`lookup` on a pool thread; the job's ``value`` is the prefix length."""
+        self._check_open()
+        first, end = self._range(first, end)
+        raws = self._keys(keys)
+        job = self.pool.submit(
+            "lookup",
+            lambda: JobOutcome("ok", value=self._lookup(raws, first, end, inline=False)),
+            {"keys": raws, "first": first, "end": end},
+        )
+        if job.refused:
+            self._count("lookups_refused")
+        return job
+
+    def submit_stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
+        """Queue the store of several units as ONE job; never blocks.
+
+        The job's ``value`` is one :class:`JobOutcome` per item, in order: ``"ok"`` once
+        stored or already there (first writer wins, see ``detail``), ``"error"`` when
+        nothing was stored. Its status is the worst of them, or at once ``"refused"``
+        (queue full) or, later, ``"expired"`` (deadline: count every item failed).
+        """
+        return self._stores(items, False, True)
+
+    def stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
+        """:meth:`submit_stores`, run in the calling thread; returns the finished job."""
+        return self._stores(items, False, False)
+
+    def submit_loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
+        """Queue the load of several units as ONE job; never blocks.
+
+        The job's ``value`` is one :class:`JobOutcome` per item: ``"ok"`` (the destination
+        holds the verified layers), ``"miss"`` (absent, or corrupt and quarantined: see
+        ``detail``) or ``"error"``; on any other status the destination is undefined.
+        """
+        return self._loads(items, False, True)
+
+    def loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
+        """:meth:`submit_loads`, run in the calling thread; returns the finished job."""
+        return self._loads(items, False, False)
+
+    def submit_store(
+        self, key: Any, first: int, payload: Any, position: int = 0, *, end: int | None = None
+    ) -> IOJob:
+        """Queue the store of one unit (:class:`StoreItem`); the job is its outcome."""
+        return self._stores([StoreItem(key, first, payload, position, end)], True, True)
+
+    def store(
+        self, key: Any, first: int, payload: Any, position: int = 0, *, end: int | None = None
+    ) -> IOJob:
+        """:meth:`submit_store`, run in the calling thread; returns the finished job."""
+        return self._stores([StoreItem(key, first, payload, position, end)], True, False)
+
+    def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
+        """Queue the load of one unit (:class:`LoadItem`); the job is its outcome."""
+        return self._loads([LoadItem(key, first, end, destination)], True, True)
+
+    def load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
+        """:meth:`submit_load`, run in the calling thread; returns the finished job."""
+        return self._loads([LoadItem(key, first, end, destination)], True, False)
+
+    # ------------------------------------------------------------------ counters and upkeep
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
 
     def poll(self) -> list[IOJob]:
-        """Jobs finished since the last poll (of the pool: every tier's if it is shared)."""
+        """Jobs finished since the last poll (of the pool: every store's if it is shared)."""
         return self.pool.poll()
 
     def wait(self, job: IOJob, timeout: float | None = None) -> IOJob:
         """Block until ``job`` is finished (``TimeoutError`` after ``timeout`` seconds)."""
         return self.pool.wait(job, timeout)
+
+    def metrics(self) -> TierMetrics:  # pragma: no cover - every store overrides it
+        raise NotImplementedError
+
+    def _close_resources(self) -> None:
+        """Release what the store holds (connections, descriptors); called once by close."""
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Finish (or cancel) the queued jobs of an owned pool; no new jobs afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._own_pool:
+            self.pool.close(cancel=cancel)
+        self._close_resources()
 
     def __enter__(self):
         return self
@@ -298,5 +385,5 @@ class TierBase:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self, *, cancel: bool = False) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+
+TierBase = PageTier = UnitStore  # the names of earlier releases

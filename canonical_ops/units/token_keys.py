@@ -1,32 +1,16 @@
 """Store keys of token blocks: one engine-independent chained hash over token ids.
 
-Engines name a block of KV by a hash of its prefix, and every engine hashes
-differently (vLLM's block hashes, SGLang's page hashes, the demo's chain). A
-store shared by engines needs one key that each of them can compute from what
-they all have, the token ids. This module is that definition; an engine keeps
-its own hash only as a local index to these keys.
-
-Definition (version 1)
-----------------------
-Token ids are split into consecutive blocks of ``block_tokens`` ids (the
-namespace's tokens per canonical page); only whole blocks have keys. With
-``||`` byte concatenation and ``LE64(t)`` the 8-byte little-endian two's
-complement encoding of a token id ``t`` (``-2**63 <= t < 2**63``)::
+Every engine names a block by its own prefix hash; a store shared by engines needs a key
+each can compute from what they all have, the token ids. Version 1, for whole blocks of
+``B`` ids (the namespace's tokens per page), with ``LE64(t)`` a token id as 8 bytes::
 
     root    = SHA-256(b"canonical-kv.token-keys.v1")
-    key[-1] = root                                   when salt is None
-    key[-1] = SHA-256(root || b"salt" || salt)       otherwise (salt: bytes)
+    key[-1] = root, or SHA-256(root || b"salt" || salt) for a tenant's salt (bytes)
     key[i]  = SHA-256(key[i-1] || LE64(t[i*B]) || ... || LE64(t[i*B + B - 1]))
 
-``key[i]`` (32 raw bytes) is the store key of block ``i``: it names the whole
-prefix ``t[0 : (i + 1) * B]``. The salt keeps prefixes of different tenants
-(a per-request cache salt) apart; unsalted keys are what engines without salts
-share. The block size is not hashed: the store's namespace fixes the tokens
-per page, so two block sizes never meet in one namespace.
-
-Test vector (pinned by ``tests/sglang_plugin/test_token_keys.py``)::
-
-    block_keys([1, 2, 3, 4], 2)[1].hex() == TEST_VECTOR_HEX
+``key[i]`` (32 bytes) names the prefix ``t[: (i + 1) * B]``. The block size is not hashed:
+the namespace fixes it. Test vector: ``block_keys([1, 2, 3, 4], 2)[1].hex() ==
+TEST_VECTOR_HEX`` (pinned by ``tests/sglang_plugin/test_token_keys.py``).
 """
 
 from __future__ import annotations
@@ -56,13 +40,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def root_key(salt: bytes | None = None) -> bytes:
-    """``key[-1]``: the parent of a sequence's first block (see the module docstring).
-
-    Parameters
-    ----------
-    salt : bytes, optional
-        Tenant salt; None for the shared, unsalted chain.
-    """
+    """``key[-1]``, the parent of a sequence's first block: unsalted (shared) or salted."""
     if salt is None:
         return ROOT_KEY
     if not isinstance(salt, (bytes, bytearray)):
@@ -98,23 +76,9 @@ def _token_array(token_ids: Any) -> np.ndarray:
 
 
 def chain_keys(parent: bytes, token_ids: Any, block_tokens: int) -> list[bytes]:
-    """Keys of the whole blocks of ``token_ids`` following a block whose key is ``parent``.
-
-    Parameters
-    ----------
-    parent : bytes
-        32 bytes: the key of the block before ``token_ids[0]``, or
-        :func:`root_key` when ``token_ids`` starts the sequence.
-    token_ids : sequence of int | numpy integer array
-        Token ids; a trailing partial block has no key and is ignored.
-    block_tokens : int
-        Tokens per block (the namespace's tokens per canonical page).
-
-    Returns
-    -------
-    list[bytes]
-        One 32-byte key per whole block, in order.
-    """
+    """Keys of the whole blocks of ``token_ids`` (sequence or integer array; a trailing
+    partial block has none) following the block whose key is ``parent`` (32 bytes, or
+    :func:`root_key` at a sequence's start), one per block of ``block_tokens`` ids."""
     if not isinstance(parent, (bytes, bytearray)) or len(parent) != KEY_BYTES:
         raise ValueError(f"parent: expected {KEY_BYTES} bytes, got {parent!r:.80}")
     block_tokens = check_int("block_tokens", block_tokens, minimum=1)

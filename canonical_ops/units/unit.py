@@ -1,68 +1,40 @@
-"""THE encoding of a persisted unit, on disk and on the wire (no I/O here).
+"""THE persisted unit, on disk and on the wire (no I/O here).
 
-A *unit* is one block's canonical pages of a contiguous layer range
-``[first_layer, end_layer)``: the payload is those layers' canonical pages
-concatenated in layer order, i.e. exactly one region row of a pipeline stage
-that owns those layers (``pages_per_row=1``). A unit is a header followed
-immediately by the payload; nothing precedes or follows it (a file, or a
-Redis value, is exactly one unit).
+A unit is one block's canonical pages of the layers ``[first_layer, end_layer)`` (a
+region row of the stage owning them): a header, then the payload, nothing else. All
+integers little-endian, unsigned:
 
-Header (all integers little-endian, unsigned)
----------------------------------------------
+======  ====  ==================  =======================================================
+offset  size  field               meaning
+======  ====  ==================  =======================================================
+0       8     magic               ``b"CKVUNIT\\0"``
+8       2     version             1
+10      2     header_length       ``96 + key_length`` rounded up to 8 (<= 1120)
+12      2     checksum_algorithm  1 = XXH3-128 (seed 0); 2 = HMAC-SHA256-128 with the
+                                  store's secret (:mod:`.auth`)
+14      2     key_length          1 .. 1024
+16      4     flags               0 (anything else is refused)
+20      4     first_layer, 24 end_layer (> first), 28 total_layers (the namespace's)
+32      8     position            the block's index in its sequence, < 2**63
+40      8     payload_length      the namespace's bytes of layers [first, end)
+48      32    namespace_digest    ``StoreNamespace.digest``
+80      16    checksum            over the header with these 16 bytes zeroed, then the
+                                  payload (XXH3: its canonical big-endian digest)
+96      K     key, then zero padding up to header_length
+======  ====  ==================  =======================================================
 
-======  ======  ==================  ===============================================
-offset  size    field               meaning
-======  ======  ==================  ===============================================
-0       8       magic               ``b"CKVUNIT\\0"``
-8       2       version             format version, 1
-10      2       header_length       ``96 + key_length`` rounded up to a multiple
-                                    of 8 (so at most 1120); the payload starts here
-12      2       checksum_algorithm  1 = XXH3-128, seed 0
-14      2       key_length          1 .. 1024
-16      4       flags               0 (reserved: anything else is refused)
-20      4       first_layer         first layer held
-24      4       end_layer           one past the last layer held (> first_layer)
-28      4       total_layers        layers of the model (the namespace's)
-32      8       position            the block's index in its sequence (prefix
-                                    position, for tail-first eviction), < 2**63
-40      8       payload_length      bytes after the header; must equal the
-                                    namespace's bytes of layers [first, end)
-48      32      namespace_digest    ``StoreNamespace.digest`` (sha256)
-80      16      checksum            XXH3-128 over the header with these 16 bytes
-                                    zeroed, then the payload; stored as
-                                    ``xxhash.xxh3_128().digest()`` (big-endian,
-                                    xxHash's canonical form)
-96      K       key                 the block key's bytes (see :func:`normalize_key`)
-96+K    pad     padding             zero bytes up to ``header_length``
-======  ======  ==================  ===============================================
-
-A unit is ``header_length + payload_length`` bytes, exactly: a shorter buffer
-is truncated and a longer one extended, and both are corrupt.
-
-Keys
-----
-A key is bytes. For convenience :func:`normalize_key` also takes ``str``
-(its UTF-8 bytes) and ``int`` (two's complement, big-endian, in the fewest
-multiple of 8 bytes that holds it with its sign: an int64 block hash is 8
-bytes). Keys are not tagged with their type, so ``"ab"`` and ``b"ab"`` are the
-same key: a deployment uses one kind of key.
-
-Trust
------
-Nothing read is trusted: :func:`decode_header` bounds every length against
-the buffer and the namespace before any of it is used, so a forged header can
-neither make a reader allocate nor read past its buffer, and the checksum
-covers every header byte, including the padding. Same-size corruption (a bit
-flip anywhere) is caught by the checksum; a unit of another namespace, key or
-layer range is refused by field comparison before any payload is touched.
+Nothing read is trusted: every length is bounded against the buffer and the namespace
+before use, the checksum covers every header byte, and a unit of another namespace, key
+or range is refused by field comparison before any payload byte is hashed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,6 +43,7 @@ import xxhash
 from .namespace import StoreNamespace
 
 __all__ = [
+    "CHECKSUM_HMAC_SHA256",
     "CHECKSUM_XXH3_128",
     "FIXED_HEADER_BYTES",
     "FORMAT_VERSION",
@@ -87,32 +60,29 @@ __all__ = [
     "encode_header",
     "encode_unit",
     "header_length",
+    "key_digest",
     "normalize_key",
     "peek_header",
+    "start_unit",
     "verify_payload",
 ]
 
 MAGIC = b"CKVUNIT\x00"
 FORMAT_VERSION = 1
 CHECKSUM_XXH3_128 = 1
+CHECKSUM_HMAC_SHA256 = 2
 MAX_KEY_BYTES = 1024
 _FIXED = struct.Struct("<8sHHHHIIIIQQ32s16s")
 FIXED_HEADER_BYTES = _FIXED.size
-assert FIXED_HEADER_BYTES == 96
 MAX_HEADER_BYTES = FIXED_HEADER_BYTES + MAX_KEY_BYTES
-_CHECKSUM_OFFSET, _CHECKSUM_BYTES = 80, 16
+_SUM = slice(80, 96)  # the checksum field
+_ZERO_SUM = bytes(16)
 _MAX_POSITION = (1 << 63) - 1
-_ZERO_CHECKSUM = bytes(_CHECKSUM_BYTES)
 
 
 class CorruptUnit(Exception):
-    """A unit that must not be used: damaged, forged, truncated, or someone else's.
-
-    Attributes
-    ----------
-    reason : str
-        What did not match, for logs and metrics.
-    """
+    """A unit that must not be used (damaged, forged, truncated, someone else's);
+    ``reason`` says what did not match."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -124,15 +94,11 @@ def _pad8(n: int) -> int:
 
 
 def normalize_key(key: Any) -> bytes:
-    """A block key as the bytes stored in the header (see the module docstring).
+    """A block key as the bytes stored in the header.
 
-    Raises
-    ------
-    TypeError
-        Not bytes-like, str or int (bools are refused).
-    ValueError
-        Empty or longer than 1024 bytes once encoded, or a str that is not
-        encodable as UTF-8.
+    bytes-like as is; ``str`` as UTF-8; ``int`` as big-endian two's complement in the
+    fewest multiple of 8 bytes that holds it (an int64 block hash is 8 bytes). Keys
+    carry no type tag: ``"ab"`` and ``b"ab"`` are one key. 1 to 1024 bytes.
     """
     if type(key) is bytes and 1 <= len(key) <= MAX_KEY_BYTES:
         return key  # the common case (vLLM block hashes), without a copy
@@ -157,27 +123,23 @@ def normalize_key(key: Any) -> bytes:
     return raw
 
 
+def key_digest(key: Any) -> str:
+    """A key's name in stores: 32 hex chars of sha256 of its bytes (:func:`normalize_key`)."""
+    return hashlib.sha256(normalize_key(key)).hexdigest()[:32]
+
+
 def header_length(key: Any) -> int:
     """Header bytes of a unit with ``key`` (where its payload starts)."""
     return FIXED_HEADER_BYTES + _pad8(len(normalize_key(key)))
 
 
 def as_byte_view(obj: Any, *, writable: bool = False, name: str = "buffer") -> memoryview:
-    """A flat uint8 memoryview over ``obj``'s memory, without a copy.
-
-    Parameters
-    ----------
-    obj : bytes-like, numpy array or CPU torch tensor
-        Must be C-contiguous.
-    writable : bool
-        Refuse read-only memory.
-    name : str
-        Argument name for error messages.
-    """
+    """A flat uint8 memoryview over ``obj`` (bytes-like, C-contiguous numpy array or CPU
+    torch tensor) without a copy; ``name`` is the argument named in errors."""
     if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous:
         if writable and obj.readonly:
             raise ValueError(f"{name}: expected writable memory, got a read-only buffer")
-        return obj  # already flat bytes: the tiers pass views along
+        return obj  # already flat bytes: the stores pass views along
     if type(obj).__module__.split(".")[0] == "torch" and hasattr(obj, "untyped_storage"):
         torch = sys.modules["torch"]
         if obj.device.type != "cpu":
@@ -207,10 +169,7 @@ def as_byte_view(obj: Any, *, writable: bool = False, name: str = "buffer") -> m
 
 @dataclass(frozen=True)
 class UnitHeader:
-    """A decoded unit header (see the module docstring for the fields).
-
-    ``raw`` is the header exactly as stored (``header_length`` bytes).
-    """
+    """A decoded header (fields as in the module docstring; ``raw`` as stored)."""
 
     version: int
     header_length: int
@@ -225,86 +184,83 @@ class UnitHeader:
     namespace_digest: bytes
     checksum: bytes
     raw: bytes
+    namespace: StoreNamespace | None = field(default=None, repr=False, compare=False)
 
     @property
     def total_length(self) -> int:
         """Bytes of the whole unit (header and payload)."""
         return self.header_length + self.payload_length
 
-    def hashed_header(self) -> bytes:
-        """The header as the checksum covers it (checksum field zeroed)."""
-        raw = self.raw
-        return raw[:_CHECKSUM_OFFSET] + _ZERO_CHECKSUM + raw[_CHECKSUM_OFFSET + _CHECKSUM_BYTES :]
+
+def _algorithm(namespace: StoreNamespace) -> int:
+    return CHECKSUM_HMAC_SHA256 if namespace.key_id else CHECKSUM_XXH3_128
 
 
-def _check_layers(namespace: StoreNamespace, first: int, end: int, position: int) -> None:
+def _hasher(namespace: StoreNamespace | None, algorithm: int = 0) -> Any:
+    """The checksum of a namespace's units (or, namespace unknown, of ``algorithm``)."""
+    if namespace is not None:
+        algorithm = _algorithm(namespace)
+    if algorithm == CHECKSUM_XXH3_128:
+        return xxhash.xxh3_128()
+    if namespace is None or namespace.secret is None:
+        raise CorruptUnit("authenticated unit: no secret to verify it with")
+    return namespace.secret.mac()
+
+
+def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
+    """The header of a unit, checksum zeroed (what the checksum covers)."""
+    length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        length,
+        _algorithm(ns),
+        len(raw_key),
+        0,
+        first,
+        end,
+        ns.num_layers,
+        position,
+        ns.layer_bytes(first, end),
+        ns.digest,
+        _ZERO_SUM,
+    )
+    return fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
+
+
+def start_unit(
+    namespace: StoreNamespace, key: Any, first: int, end: int, position: int
+) -> tuple[bytes, Any]:
+    """A unit's header with its checksum zeroed, and a hasher that has taken it: feed it
+    the payload, then the header is ``head[:80] + hasher.digest() + head[96:]``."""
     if not isinstance(namespace, StoreNamespace):
         raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
-    namespace.layer_bytes(first, end)  # validates first/end against the model
+    namespace.layer_bytes(first, end)  # validates first / end
     if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)):
         raise TypeError(f"position: expected an int >= 0, got {position!r}")
     if not 0 <= position <= _MAX_POSITION:
         raise ValueError(f"position: expected an int in [0, 2**63), got {position!r}")
+    head = _pack(namespace, normalize_key(key), int(first), int(end), int(position))
+    hasher = _hasher(namespace)
+    hasher.update(head)
+    return head, hasher
 
 
 def encode_header(
-    namespace: StoreNamespace,
-    key: Any,
-    first: int,
-    end: int,
-    position: int,
-    payload: Any,
+    namespace: StoreNamespace, key: Any, first: int, end: int, position: int, payload: Any
 ) -> bytes:
-    """The header of a unit whose payload is ``payload`` (hashed in place, not copied).
-
-    Parameters
-    ----------
-    namespace : StoreNamespace
-    key : bytes | str | int
-        Block key (see :func:`normalize_key`).
-    first, end : int
-        Layer range ``[first, end)`` of the payload.
-    position : int
-        The block's index in its sequence (0 = first block of the prompt).
-    payload : buffer
-        uint8 bytes of layers ``[first, end)``, ``namespace.layer_bytes(first, end)``
-        long: a region row, a numpy array, a CPU tensor, bytes...
-
-    Returns
-    -------
-    bytes
-        ``header_length(key)`` bytes; write them, then ``payload``.
-    """
-    _check_layers(namespace, first, end, position)
-    raw_key = normalize_key(key)
+    """The header of a unit of ``key``, layers ``[first, end)`` and prefix ``position``,
+    whose payload (``namespace.layer_bytes(first, end)`` bytes: a region row, array,
+    tensor...) is hashed in place; write it, then the payload."""
+    head, hasher = start_unit(namespace, key, first, end, position)
     view = as_byte_view(payload, name="payload")
     expected = namespace.layer_bytes(first, end)
     if len(view) != expected:
         raise ValueError(
             f"payload: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
         )
-    length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        length,
-        CHECKSUM_XXH3_128,
-        len(raw_key),
-        0,
-        int(first),
-        int(end),
-        namespace.num_layers,
-        int(position),
-        expected,
-        namespace.digest,
-        _ZERO_CHECKSUM,
-    )
-    unhashed = fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
-    hasher = xxhash.xxh3_128()
-    hasher.update(unhashed)
     hasher.update(view)
-    checksum = hasher.digest()
-    return unhashed[:_CHECKSUM_OFFSET] + checksum + unhashed[_CHECKSUM_OFFSET + _CHECKSUM_BYTES :]
+    return head[:80] + hasher.digest() + head[96:]
 
 
 def encode_unit(
@@ -316,40 +272,18 @@ def encode_unit(
 
 
 def peek_header(buffer: Any) -> UnitHeader:
-    """Parse a header's structure WITHOUT checking namespace or checksum (tools only).
-
-    Every length is bounded (the header must lie within ``buffer``), so the
-    result is safe to look at, but it is NOT trusted: use
-    :func:`decode_header` and a checksum before using a payload.
-
-    Raises
-    ------
-    CorruptUnit
-        Bad magic, version, algorithm, flags, lengths, padding or layer range.
-    """
+    """Parse a header's structure WITHOUT checking namespace or checksum (tools only):
+    safe to look at, never to trust. ``CorruptUnit`` on any structural fault."""
     view = as_byte_view(buffer)
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptUnit(f"truncated header: {len(view)} of {FIXED_HEADER_BYTES} bytes")
-    (
-        magic,
-        version,
-        length,
-        algorithm,
-        key_length,
-        flags,
-        first,
-        end,
-        total,
-        position,
-        payload_length,
-        ns_digest,
-        checksum,
-    ) = _FIXED.unpack_from(view, 0)
+    fields = _FIXED.unpack_from(view, 0)  # ... payload length, namespace digest, checksum
+    magic, version, length, algorithm, key_length, flags, first, end, total, position = fields[:10]
     if magic != MAGIC:
         raise CorruptUnit(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise CorruptUnit(f"unsupported format version {version} (expected {FORMAT_VERSION})")
-    if algorithm != CHECKSUM_XXH3_128:
+    if algorithm not in (CHECKSUM_XXH3_128, CHECKSUM_HMAC_SHA256):
         raise CorruptUnit(f"unknown checksum algorithm {algorithm}")
     if flags:
         raise CorruptUnit(f"unknown flags {flags:#x}")
@@ -366,21 +300,9 @@ def peek_header(buffer: Any) -> UnitHeader:
         raise CorruptUnit(f"layer range [{first}, {end}) invalid for {total} layers")
     if position > _MAX_POSITION:
         raise CorruptUnit(f"position {position} out of range")
-    return UnitHeader(
-        version=version,
-        header_length=length,
-        checksum_algorithm=algorithm,
-        flags=flags,
-        key=raw[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + key_length],
-        first_layer=first,
-        end_layer=end,
-        total_layers=total,
-        position=position,
-        payload_length=payload_length,
-        namespace_digest=ns_digest,
-        checksum=checksum,
-        raw=raw,
-    )
+    key = raw[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + key_length]
+    head = (version, length, algorithm, flags, key, first, end, total, position)
+    return UnitHeader(*head, *fields[10:], raw)
 
 
 def decode_header(
@@ -391,25 +313,9 @@ def decode_header(
     first: int | None = None,
     end: int | None = None,
 ) -> UnitHeader:
-    """Parse and check a header at the start of ``buffer`` (the payload is NOT verified).
-
-    ``buffer`` may be the header alone (at least ``header_length`` bytes, e.g.
-    the first :data:`MAX_HEADER_BYTES` of a file) or the whole unit. Use
-    :class:`PayloadVerifier` or :func:`verify_payload` on the payload before
-    trusting any byte of it.
-
-    Parameters
-    ----------
-    namespace : StoreNamespace
-        The reader's namespace: digest, layer count and layer sizes must match.
-    key, first, end : optional
-        When given, the unit must be for exactly this key / layer range.
-
-    Raises
-    ------
-    CorruptUnit
-        Any mismatch (see :func:`peek_header` for the structural ones).
-    """
+    """Parse and check a header at the start of ``buffer`` (the header alone or the whole
+    unit) against the reader's ``namespace`` and, when given, ``key``/``first``/``end``.
+    The payload is NOT verified: use :class:`PayloadVerifier` before trusting a byte."""
     if not isinstance(namespace, StoreNamespace):
         raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
     header = peek_header(buffer)
@@ -422,6 +328,8 @@ def decode_header(
         raise CorruptUnit(
             f"total layers {header.total_layers} != the namespace's {namespace.num_layers}"
         )
+    if header.checksum_algorithm != _algorithm(namespace):
+        raise CorruptUnit(f"checksum algorithm {header.checksum_algorithm} in this namespace")
     expected = namespace.layer_bytes(header.first_layer, header.end_layer)
     if header.payload_length != expected:
         raise CorruptUnit(
@@ -434,116 +342,70 @@ def decode_header(
         raise CorruptUnit(f"unit starts at layer {header.first_layer}, expected {first}")
     if end is not None and header.end_layer != end:
         raise CorruptUnit(f"unit ends at layer {header.end_layer}, expected {end}")
+    object.__setattr__(header, "namespace", namespace)
     return header
 
 
-def begin_unit_check(
-    buffer: Any, *, namespace: StoreNamespace, key: Any, first: int, end: int
-) -> tuple[xxhash.xxh3_128, bytes]:
-    """Check the header of one expected unit, and start its checksum (a reader's fast path).
-
-    A reader that knows exactly which unit it wants (its namespace, key and
-    layer range) knows every header byte but the position and the checksum:
-    the header is compared with those bytes at once, which accepts exactly
-    the headers :func:`decode_header` accepts with the same ``key``,
-    ``first`` and ``end`` (a mismatch is handed to it for the reason), without
-    building a :class:`UnitHeader`.
-
-    Parameters
-    ----------
-    buffer : buffer
-        At least the unit's header (``header_length(key)`` bytes; more are ignored).
-    namespace : StoreNamespace
-    key : bytes | str | int
-    first, end : int
-        The unit's layer range (validated against ``namespace``).
-
-    Returns
-    -------
-    (xxhash.xxh3_128, bytes)
-        A hasher that has taken the header (checksum zeroed): feed it the
-        payload, in pieces of any size, then compare its ``digest()`` with the
-        second item, the stored checksum; a difference means :class:`CorruptUnit`.
-
-    Raises
-    ------
-    CorruptUnit
-        The header is not that of this unit (see :func:`decode_header`).
-    """
-    if not isinstance(namespace, StoreNamespace):
-        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
-    raw_key = normalize_key(key)
-    payload_length = namespace.layer_bytes(first, end)  # validates first / end
-    length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
-    view = as_byte_view(buffer)
-    if len(view) < length:
-        raise CorruptUnit(f"truncated header: {len(view)} of {length} bytes")
-    head = bytes(view[:length])
-    expected = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        length,
-        CHECKSUM_XXH3_128,
-        len(raw_key),
-        0,
-        int(first),
-        int(end),
-        namespace.num_layers,
-        0,
-        payload_length,
-        namespace.digest,
-        _ZERO_CHECKSUM,
-    )
-    if (
-        head[:32] != expected[:32]  # magic .. total layers
-        or head[39] >= 0x80  # position < 2**63 (its top byte, little-endian)
-        or head[40:_CHECKSUM_OFFSET] != expected[40:_CHECKSUM_OFFSET]  # payload length, digest
-        or head[FIXED_HEADER_BYTES:] != raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
-    ):
-        decode_header(head, namespace=namespace, key=raw_key, first=first, end=end)
-        raise CorruptUnit("header does not match the unit's")  # pragma: no cover - defensive
-    hasher = xxhash.xxh3_128()
-    hasher.update(head[:_CHECKSUM_OFFSET])
-    hasher.update(_ZERO_CHECKSUM)
-    hasher.update(head[_CHECKSUM_OFFSET + _CHECKSUM_BYTES :])
-    return hasher, head[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + _CHECKSUM_BYTES]
-
-
 class PayloadVerifier:
-    """Checksum a unit's payload as it arrives, in pieces (readv, Redis chunks).
+    """Checksum a unit's payload as it arrives, in pieces: ``update`` each, then ``finish``
+    (``CorruptUnit`` unless all of it came and the checksum or MAC matches)."""
 
-    >>> verifier = PayloadVerifier(header)      # doctest: +SKIP
-    >>> verifier.update(first_piece); verifier.update(second_piece)  # doctest: +SKIP
-    >>> verifier.finish()                        # raises CorruptUnit  # doctest: +SKIP
-    """
+    __slots__ = ("_expected", "_hasher", "_length", "_remaining")
 
     def __init__(self, header: UnitHeader) -> None:
         if not isinstance(header, UnitHeader):
             raise TypeError(f"header: expected a UnitHeader, got {type(header).__name__}")
-        self._header = header
+        self._hasher = _hasher(header.namespace, header.checksum_algorithm)
+        self._hasher.update(header.raw[:80] + _ZERO_SUM + header.raw[96:])
+        self._expected, self._length = header.checksum, header.payload_length
         self._remaining = header.payload_length
-        self._hasher = xxhash.xxh3_128()
-        self._hasher.update(header.hashed_header())
 
     def update(self, piece: Any) -> None:
         """Hash the next ``piece`` of payload (any buffer; not copied)."""
         view = as_byte_view(piece, name="piece")
         if len(view) > self._remaining:
-            raise CorruptUnit(
-                f"payload longer than its header's {self._header.payload_length} bytes"
-            )
+            raise CorruptUnit(f"payload longer than its header's {self._length} bytes")
         self._hasher.update(view)
         self._remaining -= len(view)
 
     def finish(self) -> None:
-        """Raise :class:`CorruptUnit` unless the whole payload came and its checksum matches."""
         if self._remaining:
             raise CorruptUnit(
-                f"truncated payload: {self._header.payload_length - self._remaining} of "
-                f"{self._header.payload_length} bytes"
+                f"truncated payload: {self._length - self._remaining} of {self._length} bytes"
             )
-        if self._hasher.digest() != self._header.checksum:
+        if self._hasher.digest() != self._expected:
             raise CorruptUnit("checksum mismatch")
+
+
+def begin_unit_check(
+    buffer: Any, *, namespace: StoreNamespace, key: Any, first: int, end: int
+) -> tuple[Any, bytes]:
+    """A reader's fast path: check the header of one expected unit by comparing it with
+    the bytes it must have (all but position and checksum), and start its checksum.
+
+    Accepts exactly what :func:`decode_header` accepts for ``key``/``first``/``end`` (a
+    mismatch is handed to it for the reason). Returns a hasher that has taken the header:
+    feed it the payload, then compare its ``digest()`` with the second item.
+    """
+    if not isinstance(namespace, StoreNamespace):
+        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+    raw_key = normalize_key(key)
+    want = _pack(namespace, raw_key, first, end, 0)
+    view = as_byte_view(buffer)
+    if len(view) < len(want):
+        raise CorruptUnit(f"truncated header: {len(view)} of {len(want)} bytes")
+    head = bytes(view[: len(want)])
+    if (
+        head[:32] != want[:32]  # magic .. total layers
+        or head[39] >= 0x80  # position < 2**63 (its top byte, little-endian)
+        or head[40:80] != want[40:80]  # payload length, namespace digest
+        or head[96:] != want[96:]  # key and padding
+    ):
+        decode_header(head, namespace=namespace, key=raw_key, first=first, end=end)
+        raise CorruptUnit("header does not match the unit's")  # pragma: no cover - defensive
+    hasher = _hasher(namespace)
+    hasher.update(head[:80] + _ZERO_SUM + head[96:])
+    return hasher, head[_SUM]
 
 
 def verify_payload(header: UnitHeader, parts: Iterable[Any]) -> None:
@@ -555,28 +417,13 @@ def verify_payload(header: UnitHeader, parts: Iterable[Any]) -> None:
 
 
 def decode_and_verify(
-    buffer: Any,
-    *,
-    namespace: StoreNamespace,
-    key: Any = None,
-    first: int | None = None,
-    end: int | None = None,
+    buffer: Any, *, namespace: StoreNamespace, **expected: Any
 ) -> tuple[UnitHeader, memoryview]:
-    """Decode and fully verify a whole unit held in one buffer.
-
-    Returns
-    -------
-    (UnitHeader, memoryview)
-        The header and a read-only view of the payload inside ``buffer``.
-
-    Raises
-    ------
-    CorruptUnit
-        Anything wrong: see :func:`decode_header`, plus truncation, extra
-        bytes and checksum.
-    """
+    """Decode and fully verify a whole unit held in one buffer (``expected``: ``key``,
+    ``first``, ``end``, as :func:`decode_header`); the header and a read-only view of the
+    payload in ``buffer``. ``CorruptUnit`` on anything wrong."""
     view = as_byte_view(buffer)
-    header = decode_header(view, namespace=namespace, key=key, first=first, end=end)
+    header = decode_header(view, namespace=namespace, **expected)
     if len(view) != header.total_length:
         what = "truncated" if len(view) < header.total_length else "extra bytes after"
         raise CorruptUnit(f"{what} unit: {len(view)} bytes, header says {header.total_length}")

@@ -15,7 +15,6 @@ the canonical layout. With no ``secondary_tiers`` it is a plain CPU cache.
 
 from __future__ import annotations
 
-import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -71,19 +70,12 @@ class CanonicalOffloadingSpec(TieringOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """Our worker, built once. Unlike vLLM's, it decides by the KV tensors' device:
-        CUDA (with canonical_ops' CUDA kernels) or CPU; anything else is refused."""
+        CUDA (with canonical_ops' CUDA kernels) or CPU; the worker refuses anything else."""
         if self._worker is None:
             if self.num_chunks <= 0:
                 raise ValueError(
                     f"{SPEC_NAME}: cpu_bytes_to_use={self.extra_config.get('cpu_bytes_to_use')} "
                     f"holds no chunk of {self.kv_bytes_per_chunk} bytes; raise cpu_bytes_to_use"
-                )
-            devices = {t.tensor.device.type for t in kv_caches.tensors}
-            if not devices <= {"cuda", "cpu"} or torch.version.hip is not None:
-                raise RuntimeError(
-                    f"{SPEC_NAME}: canonical_ops has no kernels for KV caches on "
-                    f"{sorted(devices)}{' (ROCm)' if torch.version.hip else ''}; use "
-                    'spec_name "TieringOffloadingSpec" (vLLM\'s worker, same canonical bytes)'
                 )
             self._worker = self.create_worker(kv_caches)
         return self._worker

@@ -1,40 +1,25 @@
 """CanonicalOffloadingWorker: vLLM's OffloadingWorker, moving bytes with torch.ops.canonical.
 
-Built once per worker rank from vLLM's ``CanonicalKVCaches`` (the KV tensors
-and, per KV-cache group, one ref per layer carrying vLLM's
-``CanonicalPageMapping``) and vLLM's ``SharedOffloadRegion``. At construction
-it carves the region's canonical views exactly as vLLM's own CPU worker does
-(one cell per KV tensor, consecutive in each chunk row, each cell as large as
-the largest canonical page of the refs on that tensor) and builds one
-transfer plan per KV-cache group from the refs' mappings. From then on a job
-is ONE ``canonical_store`` / ``canonical_load`` call per KV-cache group it
-touches (one for every non-hybrid model): no per-fragment descriptors on the
-host, no per-job allocation beyond the id arrays.
-
-Page placement (vLLM's canonical layout): GPU block ``i`` of group ``g`` in a
-job whose first block has logical index ``b`` and whose CPU chunks are
-``C_g`` goes to canonical page ``C_g[(s + i) // bpc] * bpc + (s + i) % bpc``
-with ``s = b % bpc`` and ``bpc = blocks_per_chunk``; page ``p`` of the ref on
-tensor ``t`` lives at chunk row ``p // bpc``, byte
-``cell_offset[t] + (p % bpc) * cell_size[t]`` plus the fragment's canonical
-offset. Stores write only the pages this rank is elected for
-(``mapping.is_writer(p)``); loads restore every byte of the local pages.
-
-Streams (CUDA): one for stores, one for loads and one for expedited loads, so
-an expedited load never queues behind regular loads; each job is ordered
-after the work already queued on the caller's current stream. On CPU (KV
-tensors in host memory: tests, CPU-only runs) a job runs synchronously inside
-``submit_*`` and is reported by the next ``get_finished``.
+Built once per rank from vLLM's ``CanonicalKVCaches`` and ``SharedOffloadRegion``: it
+carves the region's canonical views as vLLM's CPU worker does (one cell per KV tensor,
+consecutive in each chunk row, as large as the largest canonical page of the refs on that
+tensor) and builds one plan per KV-cache group, so a job is one op call per group it
+touches. GPU block ``i`` of a group whose job starts at logical block ``b`` goes to page
+``C[(s + i) // bpc] * bpc + (s + i) % bpc`` (``s = b % bpc``, ``C`` the group's chunks),
+which lives in chunk row ``p // bpc`` at ``cell_offset + (p % bpc) * cell``. Stores write
+the pages this rank is elected for; loads every byte of the local pages. Jobs run on the
+ops core's :class:`~canonical_ops.transfer.TransferQueue`: on CUDA one stream each for
+stores, loads and expedited loads (never queued behind regular loads); on CPU inside
+``submit_*``, reported by the next ``get_finished``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,15 +35,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 import layouts
-from canonical_ops._extension import BUILT_WITH_CUDA
 from canonical_ops.checks import check_ids, check_int
-from canonical_ops.ops import CudaJobPools
-from canonical_ops.plan import make_plan
+from canonical_ops.plan import check_kernels, make_plan
+from canonical_ops.transfer import PlanCall, QueuedTransfer, TransferQueue, register_host_memory
 
 __all__ = [
     "CanonicalOffloadingWorker",
     "canonical_cell_sizes",
-    "register_host_memory",
     "uncertified_refs",
 ]
 
@@ -67,8 +50,6 @@ logger = logging.getLogger(__name__)
 # CUDA launches take at most this many layers (kernels/include/canonical/launch.h).
 MAX_LAYERS_PER_PLAN = 496
 
-# cudaHostRegister flags: portable (every context) | mapped (a device address for it).
-HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
 # vLLM registers its region in chunks of VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB (default 64 GiB):
 # the driver's bookkeeping table per call caps one registration (NVRM page-table limit).
 DEFAULT_REGISTER_CHUNK_GB = 64
@@ -101,18 +82,17 @@ def uncertified_refs(kv_caches: CanonicalKVCaches) -> list[tuple[int, int]]:
 
 
 def canonical_cell_sizes(kv_caches: CanonicalKVCaches) -> list[int]:
-    """Canonical bytes per block of each KV tensor: the largest canonical page of its refs.
-
-    This is the size of the tensor's cell in a chunk row (times blocks_per_chunk),
-    as vLLM's CPU worker sizes its canonical views.
-    """
+    """Canonical bytes per block of each KV tensor: the largest canonical page of its refs
+    (its cell in a chunk row, times blocks_per_chunk, as vLLM's CPU worker sizes its views).
+    RuntimeError if a ref has no canonical mapping (:func:`uncertified_refs`)."""
+    missing = uncertified_refs(kv_caches)
+    if missing:
+        where = ", ".join(f"group {g} ref {i}" for g, i in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise RuntimeError(UNCERTIFIED_REASON.format(what=f"{where}{more}"))
     sizes = [0] * len(kv_caches.tensors)
     for refs in kv_caches.group_data_refs:
         for ref in refs:
-            if ref.mapping is None:
-                raise ValueError(
-                    UNCERTIFIED_REASON.format(what=f"a ref of tensor {ref.tensor_idx}")
-                )
             sizes[ref.tensor_idx] = max(
                 sizes[ref.tensor_idx], ref.mapping.canonical_page_size_bytes
             )
@@ -133,17 +113,8 @@ def _as_layouts_mapping(mapping, page_stride: int) -> layouts.CanonicalPageMappi
     canonical page among the refs sharing that tensor), so the page is
     declared ``cell`` bytes long. Fragments are unchanged.
     """
-    runs = tuple(
-        layouts.CopyRun(
-            int(r.local_offset),
-            int(r.canonical_offset),
-            int(r.fragment_size),
-            int(r.num_fragments),
-            int(r.local_stride),
-            int(r.canonical_stride),
-        )
-        for r in mapping.runs
-    )
+    fields = [f.name for f in dataclasses.fields(layouts.CopyRun)]
+    runs = tuple(layouts.CopyRun(*(int(getattr(r, f)) for f in fields)) for r in mapping.runs)
     return layouts.CanonicalPageMapping(
         canonical_page_size_bytes=int(page_stride),
         local_page_size_bytes=int(mapping.local_page_size_bytes),
@@ -156,44 +127,8 @@ def _as_layouts_mapping(mapping, page_stride: int) -> layouts.CanonicalPageMappi
 
 @dataclass
 class _GroupPlan:
-    """The plan(s) of one KV-cache group: its refs as plan layers."""
-
-    kv_caches: list[list[torch.Tensor]]  # per plan: one tensor per layer
-    plans: list[torch.Tensor]
-    # Byte accounting, per ref (as vLLM counts): local page sizes and writer rotation.
-    local_bytes: int
-    writer_terms: list[tuple[int, int, int]]  # (num_writers, writer_index, local bytes)
-
-    def store_bytes(self, page_ids: np.ndarray) -> int:
-        total = 0
-        for num_writers, writer_index, size in self.writer_terms:
-            if num_writers == 1:
-                total += size * len(page_ids)
-            else:
-                total += size * int(np.count_nonzero(page_ids % num_writers == writer_index))
-        return total
-
-
-def register_host_memory(
-    cudart, base: int, size: int, *, chunk_bytes: int, flags: int = HOST_REGISTER_PORTABLE_MAPPED
-) -> list[int] | None:
-    """Register ``[base, base + size)`` with CUDA in chunks of at most ``chunk_bytes``.
-
-    Returns the registered chunk addresses (to unregister later), or None after rolling
-    back, when a call fails. ``cudart`` is ``torch.cuda.cudart()`` (or a stand-in).
-    """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
-    registered: list[int] = []
-    for offset in range(0, size, chunk_bytes):
-        address = base + offset
-        status = cudart.cudaHostRegister(address, min(chunk_bytes, size - offset), flags)
-        if int(getattr(status, "value", status)) != 0:
-            for done in reversed(registered):
-                cudart.cudaHostUnregister(done)
-            return None
-        registered.append(address)
-    return registered
+    calls: list[tuple[list[torch.Tensor], torch.Tensor]]  # a KV-cache group's plans
+    share: layouts.RankShare  # this rank's bytes per page, per ref (as vLLM counts)
 
 
 def _register_chunk_bytes() -> int:
@@ -209,102 +144,51 @@ def _register_chunk_bytes() -> int:
     return chunk - chunk % (2 << 20)
 
 
-@dataclass
-class _Job:
-    job_id: int
-    num_bytes: int
-    started: float
-    finished: float | None = None
-    start_event: torch.cuda.Event | None = None
-    end_event: torch.cuda.Event | None = None
-    # CUDA: one device-error record per op call (pinned, written by that kernel), with the
-    # call's host ids (to name a refused pair); pooled staging buffers of the ids.
-    records: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = field(default_factory=list)
-    staging: list[torch.Tensor] = field(default_factory=list)
-    keep_alive: tuple = field(default=(), repr=False)
-
-    def done(self) -> bool:
-        return self.end_event is None or self.end_event.query()
-
-
 class _Direction:
-    """Jobs of one direction (stores, loads or expedited loads), in submission order."""
+    """Jobs of one direction (stores, loads or expedited loads) and its queue."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
-        self.name = name
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pools = CudaJobPools(timing=True) if device.type == "cuda" else None
-        self.jobs: deque[_Job] = deque()
-        self.by_id: dict[int, _Job] = {}
+    def __init__(self, name: str, queue: TransferQueue) -> None:
+        self.name, self.queue = name, queue
+        self.jobs: dict[int, tuple[int, QueuedTransfer]] = {}  # id -> (bytes, job), in order
 
     def finished(self) -> list[TransferResult]:
         """Jobs done, in order: one event query each, no CUDA call on the compute stream."""
         results = []
-        while self.jobs and self.jobs[0].done():
-            job = self.jobs.popleft()
-            del self.by_id[job.job_id]
-            results.append(self._result(job))
+        for job_id, (num_bytes, job) in list(self.jobs.items()):
+            if not job.ready():
+                break
+            del self.jobs[job_id]
+            self.queue.finish(job)
+            if job.error is not None:
+                logger.error("canonical %s job %d failed: %s", self.name, job_id, job.error)
+            results.append(
+                TransferResult(
+                    job_id=job_id,
+                    success=job.error is None,
+                    transfer_size=num_bytes,
+                    transfer_time=job.seconds,
+                )
+            )
         return results
-
-    def _result(self, job: _Job) -> TransferResult:
-        success = True
-        if job.end_event is not None:
-            seconds = job.start_event.elapsed_time(job.end_event) * 1e-3
-            success = self._release(job)
-        else:
-            seconds = job.finished - job.started
-        job.keep_alive = ()
-        return TransferResult(
-            job_id=job.job_id, success=success, transfer_size=job.num_bytes, transfer_time=seconds
-        )
-
-    def _release(self, job: _Job) -> bool:
-        """Read the job's own error records (host reads of pinned memory) and hand its
-        pooled resources back; False if a kernel refused a pair."""
-        success = True
-        for record, blocks, pages in job.records:
-            error = self.pools.errors.release(record, blocks, pages)
-            if error is not None:
-                logger.error("canonical %s job %d failed: %s", self.name, job.job_id, error)
-                success = False
-        for buffer in job.staging:
-            self.pools.release_staging(buffer)
-        self.pools.release_event(job.start_event)
-        self.pools.release_event(job.end_event)
-        job.records, job.staging = [], []
-        job.start_event = job.end_event = None
-        return success
 
     def wait(self, job_ids) -> None:
         for job_id in job_ids:
-            job = self.by_id.get(job_id)
-            if job is not None and job.end_event is not None:
-                job.end_event.synchronize()
+            if job_id in self.jobs:
+                self.queue.synchronize(self.jobs[job_id][1])
 
     def drain(self) -> None:
-        for job in self.jobs:
-            if job.end_event is not None:
-                job.end_event.synchronize()
+        for _, job in self.jobs.values():
+            self.queue.synchronize(job)
         self.jobs.clear()
-        self.by_id.clear()
 
 
 class CanonicalOffloadingWorker(OffloadingWorker):
     """vLLM ``OffloadingWorker`` whose transfers are ``torch.ops.canonical`` calls.
 
-    Parameters
-    ----------
-    kv_caches : vllm.v1.kv_offload.base.CanonicalKVCaches
-        This rank's KV tensors (leading dim = blocks; CUDA, or CPU for tests)
-        and per-group refs; every ref must carry a canonical mapping.
-    blocks_per_chunk : int
-        GPU blocks per CPU chunk (the spec's ``blocks_per_chunk``).
-    num_cpu_chunks : int
-        Chunks in the region (the spec's ``num_chunks``).
-    mmap_region : vllm SharedOffloadRegion
-        The region shared by all ranks of the engine. Its canonical views are
-        carved here (call once per region object); on success the worker owns
-        the region and cleans it up in :meth:`shutdown`.
+    ``kv_caches``: this rank's KV tensors (CUDA, or CPU) and per-group refs, each with a
+    canonical mapping; ``blocks_per_chunk`` / ``num_cpu_chunks``: the spec's; the
+    ``mmap_region`` shared by the engine's ranks has its canonical views carved here
+    (once per region object), and on success the worker owns it (:meth:`shutdown`).
     """
 
     def __init__(
@@ -323,11 +207,7 @@ class CanonicalOffloadingWorker(OffloadingWorker):
         num_cpu_chunks = check_int("num_cpu_chunks", num_cpu_chunks, minimum=0)
         if not kv_caches.tensors:
             raise ValueError("kv_caches: expected at least one KV tensor, got none")
-        missing = uncertified_refs(kv_caches)
-        if missing:
-            where = ", ".join(f"group {g} ref {i}" for g, i in missing[:4])
-            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-            raise RuntimeError(UNCERTIFIED_REASON.format(what=f"{where}{more}"))
+        self.cell_sizes = canonical_cell_sizes(kv_caches)
         if num_cpu_chunks != mmap_region.num_chunks:
             raise ValueError(
                 f"num_cpu_chunks: the region has {mmap_region.num_chunks} chunks, "
@@ -341,10 +221,15 @@ class CanonicalOffloadingWorker(OffloadingWorker):
         ]
         self.kv_tensors = [t.tensor for t in kv_caches.tensors]
         self.device = self.kv_tensors[0].device
-        self._check_device()
+        try:
+            check_kernels(self.device, "CanonicalOffloadingWorker")
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{error}. vLLM's TieringOffloadingSpec writes the same canonical bytes "
+                f"without canonical_ops' kernels"
+            ) from error
 
         # The region's canonical views, carved as vLLM's CPU worker carves them.
-        self.cell_sizes = canonical_cell_sizes(kv_caches)
         self.views = [
             mmap_region.create_next_canonical_view(size * self.blocks_per_chunk)
             for size in self.cell_sizes
@@ -364,72 +249,34 @@ class CanonicalOffloadingWorker(OffloadingWorker):
             self._pin(mmap_region)
 
         self.groups = [self._build_group(g, refs) for g, refs in enumerate(self.group_refs)]
-        self._store = _Direction("store", self.device)
-        self._load = _Direction("load", self.device)
-        self._expedited = _Direction("expedited load", self.device)
+        self._store, self._load, self._expedited = (
+            _Direction(
+                name, TransferQueue(self.device, self.cpu_pages, blocks_per_chunk, timing=True)
+            )
+            for name in ("store", "load", "expedited load")
+        )
         self._directions = (self._store, self._load, self._expedited)
         logger.info(
-            "canonical-kv offloading worker: %d KV tensors, %d group(s), %d chunks x %d "
-            "blocks, cells %s bytes per block, on %s",
-            len(self.kv_tensors),
-            len(self.groups),
-            self.num_cpu_chunks,
-            self.blocks_per_chunk,
-            self.cell_sizes,
-            self.device,
+            f"canonical-kv offloading worker: {len(self.kv_tensors)} KV tensors, "
+            f"{len(self.groups)} group(s), {num_cpu_chunks} chunks x {blocks_per_chunk} "
+            f"blocks, cells {self.cell_sizes} bytes per block, on {self.device}"
         )
 
     # ------------------------------------------------------------------ setup
 
-    def _check_device(self) -> None:
-        device = self.device
-        if device.type == "cpu":
-            return
-        if device.type != "cuda" or torch.version.hip is not None:
-            raise RuntimeError(
-                f"CanonicalOffloadingWorker: canonical_ops has kernels for CUDA and CPU KV "
-                f"caches, not {device} ({'ROCm' if torch.version.hip else device.type}); use "
-                f"vLLM's TieringOffloadingSpec (same canonical bytes) on this platform"
-            )
-        if not BUILT_WITH_CUDA:
-            raise RuntimeError(
-                "CanonicalOffloadingWorker: the KV caches are on CUDA but canonical_ops was "
-                "built without its CUDA kernels (CANONICAL_KV_BUILD_CUDA=0 or no nvcc at "
-                "install time); reinstall canonical-kv with nvcc available"
-            )
-        # A GPU the build has no kernel image for (e.g. built for sm_90 only, running on an
-        # A100): refuse now, with the reason, rather than at the first transfer.
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        try:
-            torch.ops.canonical._check_cuda_kernels(index)
-        except RuntimeError as error:
-            raise RuntimeError(f"CanonicalOffloadingWorker: {error}") from error
-
     def _pin(self, region: SharedOffloadRegion) -> None:
-        """Register the whole region with CUDA: the kernel reads and writes it directly.
-
-        Mapped registrations (portable | mapped: a device address valid on every system)
-        in vLLM's chunk size (VLLM_KV_OFFLOAD_REGISTER_CHUNK_GB, default 64 GiB: vLLM caps
-        each call), with torch's own CUDA runtime on the worker's device; each chunk is
-        recorded on the region so that vLLM's ``cleanup`` unregisters it. vLLM's own
-        registration if that fails. The kernel needs the chunks contiguous in the device's
-        address space (true where UVA maps host pointers 1:1); every call checks it.
-        """
+        """Register the region with CUDA (the kernel addresses it directly): mapped and
+        portable, in vLLM's chunk size, recorded on the region so that vLLM's ``cleanup``
+        unregisters it; vLLM's own registration if that fails."""
         if not region.is_pinned:
             base, size = region.base_tensor.data_ptr(), region.total_size_bytes
             try:
                 with torch.cuda.device(self.device):
-                    cudart = torch.cuda.cudart()
-                    chunks = register_host_memory(
-                        cudart, base, size, chunk_bytes=_register_chunk_bytes()
-                    )
-            except Exception:
-                logger.warning("canonical-kv: mapped registration unavailable", exc_info=True)
-                chunks = None
-            if chunks is not None:
+                    chunks = register_host_memory(base, size, chunk_bytes=_register_chunk_bytes())
                 region.pinned_addresses.extend(chunks)
                 region.is_pinned = True
-            else:
+            except Exception:
+                logger.warning("canonical-kv: mapped registration unavailable", exc_info=True)
                 from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
 
                 pin_mmap_region(region, worker_slot_only=False)
@@ -470,16 +317,11 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 ) from error
             kv_lists.append(kvs)
             plans.append(plan)
-        terms = [
-            (ref.mapping.num_writers, ref.mapping.writer_index, ref.mapping.local_page_size_bytes)
-            for ref in refs
-        ]
-        return _GroupPlan(
-            kv_caches=kv_lists,
-            plans=plans,
-            local_bytes=sum(size for _, _, size in terms),
-            writer_terms=terms,
+        # Bytes as vLLM counts them: every ref, its own local page and writer turn.
+        share = layouts.RankShare(
+            [_as_layouts_mapping(ref.mapping, self.cell_sizes[ref.tensor_idx]) for ref in refs]
         )
+        return _GroupPlan(calls=list(zip(kv_lists, plans)), share=share)
 
     # ------------------------------------------------------------------ jobs
 
@@ -541,7 +383,7 @@ class CanonicalOffloadingWorker(OffloadingWorker):
                 f"[{chunks.min()}, {chunks.max()}]"
             )
         for g, blocks, _ in out:
-            sizes = [int(kv.size(0)) for kvs in self.groups[g].kv_caches for kv in kvs]
+            sizes = [int(kv.size(0)) for kvs, _ in self.groups[g].calls for kv in kvs]
             num_blocks = min(sizes) if sizes else None  # a group without layers moves nothing
             if num_blocks is not None and (blocks.min() < 0 or blocks.max() >= num_blocks):
                 raise IndexError(
@@ -551,64 +393,15 @@ class CanonicalOffloadingWorker(OffloadingWorker):
         return out
 
     def _submit(self, direction: _Direction, job_id: int, store: bool, gpu_spec, cpu_spec) -> bool:
-        if job_id in direction.by_id:
+        if job_id in direction.jobs:
             raise ValueError(f"job {job_id} is already in flight")
         pairs = self.job_pairs(gpu_spec, cpu_spec)
-        if store:
-            num_bytes = sum(self.groups[g].store_bytes(pages) for g, _, pages in pairs)
-        else:
-            num_bytes = sum(self.groups[g].local_bytes * len(pages) for g, _, pages in pairs)
-        op = torch.ops.canonical.canonical_store if store else torch.ops.canonical.canonical_load
-        job = _Job(job_id=job_id, num_bytes=num_bytes, started=time.perf_counter())
-
-        if direction.stream is None:  # CPU KV caches: synchronous
-            for g, blocks, pages in pairs:
-                group = self.groups[g]
-                block_ids, page_ids = torch.from_numpy(blocks), torch.from_numpy(pages)
-                for kvs, plan in zip(group.kv_caches, group.plans):
-                    op(kvs, self.cpu_pages, plan, block_ids, page_ids)
-            job.finished = time.perf_counter()
-        else:
-            pools = direction.pools
-            reporting = (
-                torch.ops.canonical._canonical_store_reporting
-                if store
-                else torch.ops.canonical._canonical_load_reporting
-            )
-            job.start_event, job.end_event = pools.event(), pools.event()
-            # Pinned host ids from the pool, one H2D copy per group on the transfer stream.
-            staged = []
-            for g, blocks, pages in pairs:
-                count = len(blocks)
-                host = pools.staging(2 * count)
-                host[:count] = torch.from_numpy(blocks)
-                host[count : 2 * count] = torch.from_numpy(pages)
-                job.staging.append(host)
-                staged.append((g, host, blocks, pages))
-            stream = direction.stream
-            # Stores read KV the model is still writing; loads must follow pending writes
-            # (e.g. zeroing) of their destination blocks: order after the caller's stream.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            keep = []
-            with torch.cuda.stream(stream):
-                job.start_event.record(stream)
-                for g, host, blocks, pages in staged:
-                    count = len(blocks)
-                    ids = host[: 2 * count].to(self.device, non_blocking=True)
-                    group = self.groups[g]
-                    for kvs, plan in zip(group.kv_caches, group.plans):
-                        record = pools.errors.acquire()
-                        try:
-                            reporting(kvs, self.cpu_pages, plan, ids[:count], ids[count:], record)
-                        except BaseException:
-                            pools.errors.release(record)  # never handed to a kernel
-                            raise
-                        job.records.append((record, blocks, pages))
-                    keep.append(ids)
-                job.end_event.record(stream)
-            job.keep_alive = tuple(keep)
-        direction.jobs.append(job)
-        direction.by_id[job_id] = job
+        num_bytes = 0
+        for g, _, pages in pairs:
+            share = self.groups[g].share
+            num_bytes += share.store_bytes(pages) if store else share.load_bytes(len(pages))
+        calls = [PlanCall(self.groups[g].calls, blocks, pages) for g, blocks, pages in pairs]
+        direction.jobs[job_id] = (num_bytes, direction.queue.submit(store, calls))
         return True
 
     # ------------------------------------------------------------------ OffloadingWorker

@@ -11,6 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--preset", "tiny", "--prompt-tokens", "32"]
 
 
+def prompt_keys(*args: str) -> list[bytes]:
+    """The block keys of the prompt the demo runs with these flags (preset, tokens, seed)."""
+    from canonical_ops.demo import build_config, build_parser
+    from canonical_ops.demo.truth import block_hashes
+
+    return block_hashes(build_config(build_parser().parse_args(list(args)), "cpu"))
+
+
 def demo_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "canonical_ops", "demo", *args]
 

@@ -9,6 +9,7 @@ any rank of any TP knows which bits its heads must hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHA
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 BACKEND = {
     "backend_name": "canonical",
@@ -82,18 +84,14 @@ def make_pool(
         dtype=model.dtype,
         device=torch.device("cpu"),
     )
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        model.page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=start,
-        end_layer=end,
-    )
+    return _host_pool(MHATokenToKVPoolHost, info, model, layout, start_layer=start, end_layer=end)
+
+
+def _host_pool(cls, info, model: Model, layout: str, **layers):
+    """SGLang's host pool ``cls`` over a device pool's ``info`` (CPU, unpinned, 2x its tokens)."""
+    tokens = 16 * model.page_size
+    return cls(info, 2.0, 0, model.page_size, layout, pin_memory=False, device="cpu",
+               device_capacity_tokens=tokens, **layers)  # fmt: skip
 
 
 def storage_config(tp: int, rank: int, extra: dict, *, model_name: str, **over):
@@ -195,19 +193,8 @@ def make_mla_pool(model: Model, layout: str):
         dtype=model.dtype,
         device=torch.device("cpu"),
     )
-    return MLATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        model.page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=model.layers,
-        target_layer_num=model.layers,
-    )
+    layers = {"start_layer": 0, "end_layer": model.layers, "target_layer_num": model.layers}
+    return _host_pool(MLATokenToKVPoolHost, info, model, layout, **layers)
 
 
 def _mla_rows(pool, layer: int, slots: torch.Tensor) -> tuple:
@@ -237,3 +224,47 @@ def check_mla(model: Model, pool, slots: torch.Tensor) -> None:
         got = pool.kv_buffer[_mla_rows(pool, layer, slots)]
         want = mla_truth(model, layer, len(slots))
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {layer}"
+
+
+# ------------------------------------------------------------------ TP groups
+
+
+MODEL = Model()
+TOKENS = list(range(1000, 1000 + 3 * MODEL.page_size))
+
+
+def sglang_keys(model: Model = MODEL, tokens=TOKENS, **kw):
+    """SGLang's storage page hashes of ``tokens`` (what its controller passes the backend).
+
+    Called after the backends exist, as in an engine: the key index learns the canonical
+    keys while SGLang hashes a request's tokens.
+    """
+    return get_storage_hash_str(tokens, None, page_size=model.page_size, **kw)
+
+
+def group(model, tp, layout, extra, *, ranks=None, **over):
+    """(pool, backend) of every rank of a TP group (or of ``ranks`` of it)."""
+    out = []
+    for rank in range(tp) if ranks is None else ranks:
+        pool = make_pool(model, tp, rank, layout)
+        out.append((pool, make_backend(pool, tp, rank, extra, model_name=model.name, **over)))
+    return out
+
+
+def write(model, ranks, tp, keys, tokens=TOKENS):
+    """Each rank fills its pages with the truth and stores them (v1); returns the results."""
+    results = []
+    for pool, backend in ranks:
+        slots = pool.alloc(len(tokens))
+        fill_pages(model, pool, tp, backend.core.tp_rank, slots)
+        results.append(backend.batch_set_v1(keys, slots))
+    return results
+
+
+def unit_files(store_dir: Path) -> list[Path]:
+    return sorted(Path(store_dir).rglob("*.ckv"))
+
+
+def fragments(extra: dict) -> list[Path]:
+    """The fragment units in the staging directory (shares of units not yet published)."""
+    return unit_files(Path(extra["staging_dir"]))

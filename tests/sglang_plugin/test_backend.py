@@ -8,62 +8,34 @@ factory, then ``register_mem_pool_host``), pages are keyed by SGLang's own page 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang_harness import (
+    MODEL,
+    TOKENS,
     Model,
     check_mla,
     check_pages,
     fill_mla,
     fill_pages,
+    fragments,
+    group,
     make_backend,
     make_mla_pool,
     make_pool,
     pool_rows,
+    sglang_keys,
+    unit_files,
+    write,
 )
 
 from canonical_ops.sglang import BackendSetupError
 from canonical_ops.units.token_keys import block_keys
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
-MODEL = Model()
-TOKENS = list(range(1000, 1000 + 3 * MODEL.page_size))
-
-
-def sglang_keys(model: Model = MODEL, tokens=TOKENS, **kw):
-    """SGLang's storage page hashes of ``tokens`` (what its controller passes the backend).
-
-    Called after the backends exist, as in an engine: the key index learns the canonical
-    keys while SGLang hashes a request's tokens.
-    """
-    return get_storage_hash_str(tokens, None, page_size=model.page_size, **kw)
-
-
-def group(model, tp, layout, extra, **over):
-    """(pool, backend) of every rank of a TP group."""
-    out = []
-    for rank in range(tp):
-        pool = make_pool(model, tp, rank, layout)
-        out.append((pool, make_backend(pool, tp, rank, extra, model_name=model.name, **over)))
-    return out
-
-
-def write(model, ranks, tp, keys, tokens=TOKENS):
-    """Each rank fills its pages with the truth and stores them (v1); returns the results."""
-    results = []
-    for rank, (pool, backend) in enumerate(ranks):
-        slots = pool.alloc(len(tokens))
-        fill_pages(model, pool, tp, rank, slots)
-        results.append(backend.batch_set_v1(keys, slots))
-    return results
-
-
-def unit_files(store_dir: Path) -> list[Path]:
-    return sorted(store_dir.rglob("*.ckv"))
 
 
 # ------------------------------------------------------------------ SGLang's interface
@@ -154,14 +126,14 @@ def test_unit_is_published_only_when_every_writer_stored(extra, store_dir):
     fill_pages(MODEL, pool, 4, 3, slots)
     assert backend.batch_set_v1(keys, slots) == [True] * 3
     assert len(unit_files(store_dir)) == 3
-    assert list((Path(extra["staging_dir"])).rglob("*.frag")) == []
+    assert fragments(extra) == []  # the publishing rank removed the shares
 
 
 def test_corrupt_fragment_is_never_published(extra, store_dir):
     writers = group(MODEL, 2, "page_first", extra)
     keys = sglang_keys()
     write(MODEL, writers[:1], 2, keys)
-    frag = sorted(Path(extra["staging_dir"]).rglob("r0.frag"))[0]
+    frag = fragments(extra)[0]
     data = bytearray(frag.read_bytes())
     data[-1] ^= 0xFF
     frag.write_bytes(bytes(data))
@@ -260,12 +232,23 @@ def test_keys_follow_the_token_chain_across_calls(extra):
         ({"pp_size": 2}, {}, "num_layers"),
         ({}, {"total_kv_heads": 6}, "total_kv_heads"),
         ({}, {"store_options": []}, "store_options"),
+        ({}, {"staging_dir": 5}, "extra_config.staging_dir"),
+        ({}, {"staging_stale_s": 0}, "extra_config.staging_stale_s"),
     ],
 )
 def test_refused_configurations(extra, over, extra_over, match):
     pool = make_pool(MODEL, 2, 0, "page_first")
     with pytest.raises((BackendSetupError, ValueError), match=match):
         make_backend(pool, 2, 0, {**extra, **extra_over}, model_name=MODEL.name, **over)
+
+
+def test_refused_pool_with_kv_scales(extra):
+    """MXFP8 host pools keep per-block scales beside the payload: units without them would be
+    wrong bytes for every reader, so the pool is refused."""
+    pool = make_pool(MODEL, 1, 0, "page_first")
+    pool.k_scale_host = torch.zeros(1)  # what SGLang's MHATokenToKVPoolMXFP8Host adds
+    with pytest.raises(BackendSetupError, match=r"mem_pool_host: .*KV scales"):
+        make_backend(pool, 1, 0, extra, model_name=MODEL.name)
 
 
 def test_refused_page_unified_layout(extra):
@@ -279,12 +262,12 @@ def test_staging_directory_sweeps_stale_fragments(extra):
     writers = group(MODEL, 2, "page_first", extra)
     keys = sglang_keys()
     write(MODEL, writers[:1], 2, keys)
-    staging = writers[0][1].core.staging
-    dirs = [p for p in staging.root.iterdir() if p.is_dir()]
-    assert len(dirs) == 3
-    old = dirs[0].stat().st_mtime - 3600
-    os.utime(dirs[0], (old, old))
-    assert staging.sweep() == 1
+    staged = fragments(extra)
+    assert len(staged) == 3
+    old = staged[0].stat().st_mtime - 3600
+    os.utime(staged[0], (old, old))
+    assert writers[0][1].core.staging.sweep() == 1
+    assert fragments(extra) == staged[1:]
 
 
 # ------------------------------------------------------------------ MLA

@@ -1,6 +1,6 @@
-"""SGLang and the frontend engine share units: the same keys, namespace and bytes.
+"""SGLang and the standalone engine share units: the same keys, namespace and bytes.
 
-The frontend side is the ops core as the frontend engine runs it: each rank's split-NHD
+The engine side is the ops core as ``canonical_ops.engine`` runs it: each rank's split-NHD
 KV cache is stored into region rows with ``canonical_ops.store`` (one plan per rank, as
 ``OffloadWorker`` builds it), and a row goes to the file store under the block's token
 key, as ``StageCache.persist`` hands its rows to ``FileStore``. Reading back is the same

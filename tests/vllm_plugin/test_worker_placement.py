@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 import torch
+from helpers.emulated_stream import EmulatedCuda
 from helpers.vllm_harness import (
     BLOCK_SIZE,
     FULL_LAYOUTS,
@@ -295,6 +296,61 @@ def test_cross_topology_tp4_store_tp2_and_tp1_load(vllm_configs, kinds):
     finally:
         for worker in workers:
             worker.shutdown()
+
+
+def test_cuda_job_path_emulated_matches_the_cpu_worker(vllm_configs, monkeypatch):
+    """The CUDA job path (canonical_ops.transfer, emulated on the CPU with a stand-in side
+    stream per direction): jobs are reported once their stream ran, in order, with the CPU
+    worker's sizes and bytes; an expedited load is not queued behind a regular one; a
+    refused pair fails its job alone."""
+    layers = [
+        Layer(f"model.layers.{i}.self_attn.attn", kind) for i, kind in enumerate(FULL_LAYOUTS)
+    ]
+    model = Model(layers, total_heads=8, num_blocks=NUM_BLOCKS, seed=13)
+    tp, bpc = 2, 4
+    ((_, ckv),) = vllm_ranks(vllm_configs("llama8", tp), model, tp)[1:]
+    jobs = make_jobs(1, bpc, NUM_BLOCKS, NUM_CHUNKS, single_group_plans(bpc), seed=6)
+    row = row_bytes_for(ckv, bpc)
+    fail = {}
+    cuda = EmulatedCuda(monkeypatch, fail)
+    emulated, plain = (
+        CanonicalOffloadingWorker(
+            ckv, bpc, NUM_CHUNKS, open_region(f"ckv-{kind}-{uuid.uuid4().hex[:8]}", NUM_CHUNKS, row)
+        )
+        for kind in ("emulated", "plain")
+    )
+    try:
+        streams = {d.name: cuda.attach(d.queue, timing=True) for d in emulated._directions}
+        for job_id, job in enumerate(jobs, start=1):
+            assert emulated.submit_store(job_id, job.gpu_spec(), job.cpu_spec())
+            plain.submit_store(job_id, job.gpu_spec(), job.cpu_spec())
+        assert emulated.get_finished() == [] and not emulated.cpu_pages.any()
+        streams["store"].run()
+        results, expected = emulated.get_finished(), plain.get_finished()
+        assert [r.job_id for r in results] == [r.job_id for r in expected] == [1, 2, 3, 4]
+        for result, want in zip(results, expected):
+            assert result.success and result.transfer_time >= 0
+            assert result.transfer_size == want.transfer_size
+        assert emulated.cpu_pages.any() and torch.equal(emulated.cpu_pages, plain.cpu_pages)
+        targets = [load_targets(job, NUM_BLOCKS, 0) for job in jobs[:2]]
+        emulated.submit_load(101, jobs[0].cpu_spec(), targets[0].gpu_spec())
+        emulated.submit_load(102, jobs[1].cpu_spec(), targets[1].gpu_spec(), expedited=True)
+        emulated.wait({102})  # its own stream only: the regular load stays queued
+        assert [r.job_id for r in emulated.get_finished()] == [102]
+        streams["load"].run()
+        assert [(r.job_id, r.success) for r in emulated.get_finished()] == [(101, True)]
+        check_restored(ckv, jobs[:2], targets, bpc)
+        fail["pair"] = 0
+        emulated.submit_store(201, jobs[2].gpu_spec(), jobs[2].cpu_spec())
+        emulated.submit_store(202, jobs[3].gpu_spec(), jobs[3].cpu_spec())
+        emulated.wait({201, 202})
+        assert [(r.job_id, r.success) for r in emulated.get_finished()] == [
+            (201, False),
+            (202, True),
+        ]
+    finally:
+        emulated.shutdown()
+        plain.shutdown()
 
 
 @pytest.mark.cuda

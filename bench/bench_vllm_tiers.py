@@ -1,0 +1,347 @@
+"""vLLM 0.33's ``fs`` secondary tier vs ``canonical_fs``: same chunks, same jobs, same file
+system, one run. Runs in the vLLM venv (``make bench-vllm``).
+
+Both tiers are driven through vLLM's ``SecondaryTierManager`` interface as its
+``TieringOffloadingManager`` drives them: ``TransferJob(keys, chunk_ids)`` over one primary
+region (an mmap: page-aligned rows, as vLLM's region in /dev/shm), ``submit_store`` /
+``submit_load``, ``get_finished_jobs`` polled, the same thread counts. vLLM's ``fs`` runs as
+vLLM runs it: its C batch path (``vllm.fs_io_C``, shipped in the wheel) with O_DIRECT
+(probed at start-up, as vLLM does), and again buffered. ``canonical_fs`` runs with its
+defaults (judged) and again with ``direct_io`` (for reference): every load is verified
+(xxh3-128 over header and payload) before the row counts.
+
+Timed per (model, mode), modes round-robin, best of ``--repeats`` and their median:
+  store      every chunk, in jobs of ``--job-chunks``, into a fresh directory (then its files
+             are written back, untimed, so no mode is throttled by another's dirty pages);
+  load warm  the chunks back into other rows, their files in the page cache (read once,
+             untimed, first; vLLM's O_DIRECT loads bypass the cache whatever it holds);
+  load cold  the same after fdatasync + posix_fadvise(DONTNEED) of exactly those files
+             (untimed; nothing global is dropped; a virtual disk may still be cached by its
+             host).
+Every load is compared byte for byte with the stored rows (untimed): a mode that loads wrong
+bytes fails the run instead of giving a figure. GB/s = row bytes / seconds.
+
+Goals (best-of-N times; canonical_fs vs the better vLLM mode of each operation):
+store >= 0.9x, load cold >= 0.95x, load warm >= 0.85x (a verified read's measured ceiling
+is 0.87-0.93x of a plain one: bench/bench_read_hash.py).
+
+Usage: python bench/bench_vllm_tiers.py [--quick] [--out DIR] [--dir PATH] [--mib N]
+       [--repeats N] [--threads N] [--job-chunks N] [--models a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from canonical_ops.vllm.tiers import CanonicalFileTier
+
+# Row bytes of one chunk (one block per chunk): layers x canonical page.
+MODELS = {
+    "llama3-8b-like": dict(layers=32, page=8 * 16 * 2 * 128 * 2, tokens=16),  # 2 MiB
+    "deepseek-v3-like-mla": dict(layers=61, page=64 * 576 * 2, tokens=64),  # 4.29 MiB
+}
+MODES = ("vllm fs O_DIRECT", "vllm fs buffered", "canonical_fs", "canonical_fs O_DIRECT")
+OPS = ("store", "load warm", "load cold")
+TARGETS = {"store": 0.9, "load cold": 0.95, "load warm": 0.85}
+
+
+def offloading_spec(name: str, model: dict) -> TieringOffloadingSpec:
+    """vLLM's spec of a TP=1 engine of ``model`` with the canonical layout (no region yet)."""
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(model["layers"]))
+    row = model["layers"] * model["page"]
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(model["tokens"], layers, 0),),
+        worker_kv_bytes_per_block=row,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": row, "canonical_layout": True},
+        engine_id=f"bench-{name}",
+        model=OffloadingModelConfig(f"bench/{name}", "bfloat16"),
+        cache=OffloadingCacheConfig(model["tokens"], 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+        canonical_layout=True,
+        kv_cache_layout="LBNHC",
+    )
+    return TieringOffloadingSpec(config)
+
+
+def primary_region(rows: int, row_bytes: int) -> tuple[np.ndarray, memoryview]:
+    """Page-aligned rows in anonymous mmap memory, prefaulted, and vLLM's (rows, row) view."""
+    memory = mmap.mmap(-1, rows * row_bytes)
+    array = np.frombuffer(memory, np.uint8).reshape(rows, row_bytes)
+    array[:] = 1
+    return array, memoryview(memory).cast("b", (rows, row_bytes))
+
+
+def tier_files(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+
+
+def write_back(paths: list[str], *, evict: bool = False, read: bool = False) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            while read and os.read(fd, 1 << 20):
+                pass
+        finally:
+            os.close(fd)
+
+
+class Case:
+    """One model: its chunks, the primary region, and a timed operation per (mode, op)."""
+
+    def __init__(self, name: str, model: dict, args) -> None:
+        self.name, self.args = name, args
+        self.spec = offloading_spec(name, model)
+        self.row = model["layers"] * model["page"]
+        self.count = max(args.job_chunks, (args.mib << 20) // self.row)
+        self.rows, self.view = primary_region(2 * self.count, self.row)
+        self.rows[: self.count] = np.random.default_rng(0).integers(
+            0, 256, (self.count, self.row), dtype=np.uint8
+        )
+        self.keys = [
+            make_offload_key(hashlib.sha256(f"{name}/{i}".encode()).digest(), 0)
+            for i in range(self.count)
+        ]
+        self.base = tempfile.mkdtemp(prefix=f"vllm-tiers-{name}-", dir=args.dir)
+        self.tiers: dict[str, tuple[object, str]] = {}
+        self._rounds = 0
+
+    def _tier(self, mode: str, root: str):
+        threads = dict(n_read_threads=self.args.threads, n_write_threads=self.args.threads)
+        if mode.startswith("canonical_fs"):
+            direct = {"direct_io": mode.endswith("O_DIRECT")}
+            return CanonicalFileTier(
+                self.spec, self.view, "canonical_fs", root_dir=root, **threads, **direct
+            )
+        tier = FileSystemTierManager(self.spec, self.view, "fs", root_dir=root, **threads)
+        if mode == "vllm fs buffered":
+            tier._use_o_direct = False
+        elif not tier._use_o_direct:
+            raise RuntimeError(f"O_DIRECT is refused on {root}: no 'vllm fs O_DIRECT' figure")
+        return tier
+
+    def _jobs(self, first_chunk: int, promotion: bool) -> list[TransferJob]:
+        n = self.args.job_chunks
+        return [
+            TransferJob(
+                job_id=i,
+                keys=self.keys[start : start + n],
+                chunk_ids=np.arange(first_chunk + start, first_chunk + min(start + n, self.count)),
+                is_promotion=promotion,
+                req_context=ReqContext(req_id=f"bench-{i}"),
+            )
+            for i, start in enumerate(range(0, self.count, n))
+        ]
+
+    @staticmethod
+    def _run(mode: str, tier, submit, jobs: list[TransferJob]) -> float:
+        start = time.perf_counter()
+        for job in jobs:
+            submit(job)
+        results: list = []
+        while len(results) < len(jobs):
+            got = list(tier.get_finished_jobs())
+            results += got
+            if not got:
+                time.sleep(0.0001)
+        seconds = time.perf_counter() - start
+        failed = [r.job_id for r in results if not r.success]
+        if failed:
+            raise RuntimeError(f"{mode}: jobs {sorted(failed)} of {len(jobs)} failed")
+        return seconds
+
+    def store(self, mode: str) -> float:
+        old = self.tiers.pop(mode, None)
+        if old is not None:
+            old[0].shutdown()
+        self._rounds += 1
+        root = os.path.join(self.base, f"{mode.replace(' ', '_')}-{self._rounds}")
+        tier = self._tier(mode, root)
+        self.tiers[mode] = (tier, root)
+        seconds = self._run(mode, tier, tier.submit_store, self._jobs(0, False))
+        write_back(tier_files(root))
+        return seconds
+
+    def load(self, mode: str, cold: bool) -> float:
+        tier, root = self.tiers[mode]
+        write_back(tier_files(root), evict=cold, read=not cold)
+        self.rows[self.count :] = 0
+        seconds = self._run(mode, tier, tier.submit_load, self._jobs(self.count, True))
+        if not np.array_equal(self.rows[self.count :], self.rows[: self.count]):
+            raise RuntimeError(f"{mode} loaded other bytes than it stored")
+        return seconds
+
+    def close(self) -> None:
+        for tier, _root in self.tiers.values():
+            tier.shutdown()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def run(args) -> dict:
+    load_before = os.getloadavg()[0]
+    results = []
+    for name in args.models:
+        case = Case(name, MODELS[name], args)
+        times: dict[str, dict[str, list[float]]] = {m: {op: [] for op in OPS} for m in MODES}
+        try:
+            for _ in range(args.repeats):
+                for mode in MODES:  # round-robin: each repetition runs every mode once
+                    times[mode]["store"].append(case.store(mode))
+                    times[mode]["load warm"].append(case.load(mode, cold=False))
+                    times[mode]["load cold"].append(case.load(mode, cold=True))
+        finally:
+            case.close()
+        nbytes = case.count * case.row
+        row = {"model": name, "row_bytes": case.row, "chunks": case.count, "modes": {}}
+        for mode in MODES:
+            row["modes"][mode] = {
+                op: {
+                    "best_s": min(t),
+                    "median_s": statistics.median(t),
+                    "best_gbps": nbytes / min(t) / 1e9,
+                    "median_gbps": nbytes / statistics.median(t) / 1e9,
+                }
+                for op, t in times[mode].items()
+            }
+            print(
+                f"{name:<22}{mode:<23}"
+                + "".join(
+                    f"{op} {row['modes'][mode][op]['best_gbps']:.2f} "
+                    f"({row['modes'][mode][op]['median_gbps']:.2f})  "
+                    for op in OPS
+                ),
+                flush=True,
+            )
+        results.append(row)
+    report = {
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "directory": args.dir or tempfile.gettempdir(),
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "job_chunks": args.job_chunks,
+        "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "results": results,
+    }
+    report["goals"] = goals(report)
+    return report
+
+
+def goals(report: dict) -> list[dict]:
+    """canonical_fs vs the better vLLM mode, per (operation, model): ``{goal, measured, ...}``."""
+    out = []
+    for row in report["results"]:
+        modes = row["modes"]
+        for op, target in TARGETS.items():
+            vllm_best = min(modes[m][op]["best_s"] for m in MODES if m.startswith("vllm"))
+            ratio = vllm_best / modes["canonical_fs"][op]["best_s"]
+            out.append(
+                dict(
+                    goal=f"{op}: canonical_fs >= {target}x vLLM fs (better of O_DIRECT, "
+                    f"buffered); {row['model']}",
+                    measured=round(ratio, 3),
+                    target=target,
+                    met=ratio >= target,
+                )
+            )
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# vLLM's `fs` tier vs `canonical_fs` (same chunks, jobs and file system; one run)",
+        "",
+        f"{report['machine']}, Python {report['python']}, {report['date']}; "
+        f"`{report['command']}`; files under {report['directory']}; best of "
+        f"{report['repeats']} (median in parentheses), modes round-robin; "
+        f"{report['threads']} read + {report['threads']} write threads each; jobs of "
+        f"{report['job_chunks']} chunks; 1-min load average before/after: "
+        f"{report['load_average_before_after']}. GB/s of row bytes; every load checked "
+        "byte for byte.",
+        "",
+        "| goal | measured | target | met |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {g['goal']} | {g['measured']:.2f}x | {g['target']}x | "
+            f"{'yes' if g['met'] else '**no**'} |"
+            for g in report["goals"]
+        ),
+        "",
+        "| model | row | mode | " + " | ".join(OPS) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in OPS) + " |",
+    ]
+    for row in report["results"]:
+        for mode, ops in row["modes"].items():
+            figures = " | ".join(
+                f"{ops[op]['best_gbps']:.2f} ({ops[op]['median_gbps']:.2f})" for op in OPS
+            )
+            lines.append(
+                f"| {row['model']} | {row['row_bytes'] / 2**20:.2f} MiB x {row['chunks']} "
+                f"| {mode} | {figures} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=192, help="MiB moved per measurement")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=16, help="read and write threads each")
+    parser.add_argument("--job-chunks", type=int, default=8, help="chunks per transfer job")
+    parser.add_argument("--dir", default=None, help="file system to measure (default: $TMPDIR)")
+    parser.add_argument("--out", default=None, help="write vllm_tiers.json and .md here")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models")
+    parser.add_argument("--quick", action="store_true", help="96 MiB, 3 repeats")
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",")]
+    if not args.models or any(m not in MODELS for m in args.models):
+        parser.error(f"--models: expected a subset of {','.join(MODELS)}, got {args.models}")
+    for name in ("mib", "repeats", "threads", "job_chunks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 1")
+    if args.quick:
+        args.mib, args.repeats = 96, 3
+    report = run(args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "vllm_tiers.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "vllm_tiers.md"), "w") as f:
+            f.write(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

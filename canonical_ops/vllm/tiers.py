@@ -1,0 +1,522 @@
+"""vLLM 0.33 secondary tiers backed by the unit stores: ``canonical_fs`` and ``canonical_redis``.
+
+Each tier sits under vLLM's ``TieringOffloadingManager`` (``TieringOffloadingSpec`` or
+:class:`~canonical_ops.vllm.spec.CanonicalOffloadingSpec`, with ``canonical_layout: true``)
+and keeps every primary chunk (one row of vLLM's CPU region) as one checksummed unit of a
+:class:`~canonical_ops.units.FileStore` or :class:`~canonical_ops.units.RedisStore`, keyed
+by vLLM's offload key. A load is verified before vLLM sees the row as loaded; a bad unit is
+a miss (quarantined and counted), never a load. Every method returns at once: lookups,
+loads and stores are jobs on pools whose ``deadline_s`` turns stuck I/O into misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+    canonical_format_id,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.logger import init_logger
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from layouts import RankContext
+
+from ..checks import check_int, check_seconds
+from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
+from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+    from ..units.jobs import IOJob
+
+__all__ = ["CanonicalFileTier", "CanonicalRedisTier", "row_namespace", "warn_if_random_hash_seed"]
+
+logger = init_logger(__name__)
+
+UNIT_FORMAT = "vllm-offload-chunk-v1"  # a unit = one primary row, keyed by vLLM's offload key
+CORRUPT_UNITS = "vllm:kv_offload_canonical_corrupt_units"
+EXPIRED_JOBS = "vllm:kv_offload_canonical_expired_jobs"
+REMOVED_UNITS = "vllm:kv_offload_canonical_removed_units"
+_LABELS = ("tier_type",)
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float"})
+_SHARED_FORMATS = ("v1-nhd", "v1-hnd")
+_MAX_LOOKUP_ROUNDS = 8  # prefix lookups per batch of keys; later keys count as misses
+
+
+def row_namespace(
+    offloading_spec: OffloadingSpec, row_bytes: int, model_name: str | None = None
+) -> StoreNamespace:
+    """The namespace of vLLM's primary rows: everything that decides their bytes.
+
+    Model, canonical format, KV dtype, tokens per hash and per chunk, the KV-cache groups
+    and the row size; the topology (TP, PP, PCP, DCP) only when vLLM does not certify the
+    config parallelism-agnostic (then rows may hold opaque per-topology pages). Block-hash
+    algorithm and seed are not described: they shape the keys themselves, and the seed of a
+    non-cryptographic hash must stay secret.
+    """
+    config = offloading_spec.config
+    if not config.canonical_layout:
+        raise ValueError(
+            "canonical_layout: expected true in kv_connector_extra_config for a canonical tier "
+            "(direct-layout rows depend on the topology); add it, or use vLLM's 'fs' tier"
+        )
+    layout = config.kv_cache_layout
+    fmt = canonical_format_id(layout) if layout else None
+    if fmt not in _SHARED_FORMATS:
+        raise ValueError(
+            f"kv_cache_layout: expected an NHD or HND family layout, got "
+            f"{config.kv_cache_layout!r} (canonical format {fmt!r})"
+        )
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    extra: dict[str, Any] = {
+        "engine": "vllm",
+        "unit": UNIT_FORMAT,
+        "dtype": dtype,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": [
+            {"tokens_per_block": g.tokens_per_block, "layer_names": list(g.layer_names)}
+            for g in config.groups
+        ],
+    }
+    parallel = config.parallel
+    if not parallel.is_parallelism_agnostic:
+        extra["topology"] = {
+            "tp": parallel.tp_size,
+            "pp": parallel.pp_size,
+            "pcp": parallel.pcp_size,
+            "dcp": parallel.dcp_size,
+            "world_size": parallel.world_size,
+        }
+    # The row is opaque to the unit store (its per-layer layout is vLLM's, inside the row).
+    tokens = max([g.tokens_per_block for g in config.groups] or [1])
+    row = LayerGeometry.opaque_from_bytes(
+        row_bytes, RankContext(1, 1, 0), block_size=tokens * config.cache.blocks_per_chunk
+    )
+    name = model_name if model_name is not None else config.model.name
+    model = ModelIdentity(name, "", extra)
+    kv_quant = "none" if dtype in _FLOAT_DTYPES else dtype
+    return StoreNamespace(fmt, model, kv_quant, (row,))
+
+
+def warn_if_random_hash_seed(tier_type: str) -> bool:
+    """Log one line when vLLM's block hashes use a random per-process seed.
+
+    Returns False while vLLM has not chosen its seed yet (the scheduler builds tiers
+    before ``init_none_hash``): call again later.
+    """
+    if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+        return False
+    seed = kv_cache_utils.get_none_hash_seed()
+    if os.getenv("PYTHONHASHSEED") is None and seed != kv_cache_utils.DEFAULT_NONE_HASH_SEED:
+        logger.warning(
+            "%s: vLLM hashes blocks with a random per-process seed (a non-cryptographic "
+            "prefix_caching_hash_algo without PYTHONHASHSEED): KV stored by this engine is "
+            "never found after a restart or by another engine; set PYTHONHASHSEED to one "
+            "value on every engine, or use sha256",
+            tier_type,
+        )
+    return True
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's async lookup front end; each batch runs on the tier's lookup pool."""
+
+    def __init__(self, tier: _CanonicalTier) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier._lookup_batch(keys)
+
+
+class _CanonicalTier(SecondaryTierManager):
+    """What both tiers share: jobs, verified loads with partial keep, events and metrics."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    _THREADS = 16  # default n_read_threads and n_write_threads (vLLM fs tier's)
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        *,
+        n_read_threads: int | None = None,
+        n_write_threads: int | None = None,
+        queue_depth: int = 64,
+        deadline_s: float | None = DEFAULT_DEADLINE_S,
+        authenticated: bool = False,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        model_name: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        secret = _secret(authenticated)
+        self.locality = Locality(locality) if locality is not None else None
+        threads = sum(
+            check_int(name, self._THREADS if n is None else n, minimum=1)
+            for name, n in (
+                ("n_read_threads", n_read_threads),
+                ("n_write_threads", n_write_threads),
+            )
+        )
+        queue_depth = check_int("queue_depth", queue_depth, minimum=1)
+        self.deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
+        if model_name is not None and not (isinstance(model_name, str) and model_name):
+            raise TypeError(f"model_name: expected a non-empty str, got {model_name!r}")
+        self.namespace = row_namespace(offloading_spec, self.block_size_bytes, model_name)
+        self._tokens_per_chunk = [
+            g.tokens_per_block * offloading_spec.config.cache.blocks_per_chunk
+            for g in offloading_spec.config.groups
+        ]
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self.events = []
+            else:
+                logger.warning(
+                    "%s: enable_kv_events is set but KV cache events are disabled globally; "
+                    "the tier emits none",
+                    tier_type,
+                )
+        # IOJob id -> (the job, vLLM's job id, its keys, is a load)
+        self._jobs: dict[int, tuple[IOJob, int, list[OffloadKey], bool]] = {}
+        self._done: list[JobResult] = []  # refused at submission, or waited for by drain_jobs
+        self._removed = 0
+        self._reported = dict.fromkeys((CORRUPT_UNITS, EXPIRED_JOBS, REMOVED_UNITS), 0)
+        self._io = JobPool(
+            threads, queue_depth, name=f"ckv-{tier_type}", deadline_s=self.deadline_s
+        )
+        self._lookup_pool = JobPool(
+            1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=self.deadline_s
+        )
+        try:
+            self.store: UnitStore = self._open_store(
+                pool=self._io, **({} if secret is None else {"secret": secret})
+            )
+        except BaseException:
+            self._io.close(cancel=True)
+            self._lookup_pool.close(cancel=True)
+            raise
+        self._rows = primary_kv_view.cast("B")  # released by shutdown (vLLM then unmaps)
+        self._lookups = _Lookups(self)
+        self._seed_checked = warn_if_random_hash_seed(tier_type)
+
+    def _open_store(self, **options: Any) -> UnitStore:  # pragma: no cover - per tier
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ lookups
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            CORRUPT_UNITS: OffloadingCounterMetadata(
+                "Units that failed verification on load (each a miss; quarantined).", _LABELS
+            ),
+            EXPIRED_JOBS: OffloadingCounterMetadata(
+                "Lookups, loads and stores that ran past deadline_s (a miss or a failed store).",
+                _LABELS,
+            ),
+            REMOVED_UNITS: OffloadingCounterMetadata(
+                "Units the tier removed (LRU eviction to capacity_bytes, quarantine).", _LABELS
+            ),
+        }
+
+    def _lookup_batch(self, keys: list[OffloadKey]) -> list[bool]:
+        """Whether each key is stored (lookup-manager thread; the I/O runs on the lookup pool,
+        so a stuck lookup expires as misses instead of pinning that thread)."""
+        job = self._lookup_pool.submit(
+            "lookup", lambda: JobOutcome("ok", value=self._present(keys))
+        )
+        if not job.refused:
+            with contextlib.suppress(TimeoutError):  # expired by then (deadline_s)
+                self._lookup_pool.wait(
+                    job, None if self.deadline_s is None else self.deadline_s + 5
+                )
+        return job.value if job.ok else [False] * len(keys)
+
+    def _present(self, keys: list[OffloadKey]) -> list[bool]:
+        """Per-key presence from prefix lookups (usually one or two round trips)."""
+        found: list[bool] = []
+        rest = keys
+        for _ in range(_MAX_LOOKUP_ROUNDS):
+            if not rest:
+                break
+            n = self.store.lookup(rest, 0, 1)
+            found += [True] * n + [False] * (n < len(rest))
+            rest = rest[n + 1 :]
+        return found + [False] * len(rest)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        result = self._lookups.lookup(key, req_context)
+        if result is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if result else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+        if not self._seed_checked:
+            self._seed_checked = warn_if_random_hash_seed(self.tier_type)
+        self._collect_removed()
+
+    # ------------------------------------------------------------------ jobs
+
+    def _row(self, chunk_id: Any) -> memoryview:
+        start = int(chunk_id) * self.block_size_bytes
+        return self._rows[start : start + self.block_size_bytes]
+
+    def _position(self, key: OffloadKey, req_context: ReqContext) -> int:
+        end = req_context.get_offload_key_position(key)
+        if not end:
+            return 0
+        group = get_offload_group_idx(key)
+        tokens = self._tokens_per_chunk[group] if group < len(self._tokens_per_chunk) else 1
+        return max(0, end - 1) // max(1, tokens)
+
+    def _submit(self, job: IOJob, job_metadata: TransferJob, keys: list, is_load: bool) -> None:
+        if job.refused:
+            self._done.append(self._result(job, job_metadata.job_id, keys, is_load))
+        else:
+            self._jobs[job.job_id] = (job, job_metadata.job_id, keys, is_load)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        ctx = job_metadata.req_context
+        items = [
+            StoreItem(key, 0, self._row(cid), self._position(key, ctx), 1)
+            for key, cid in zip(keys, job_metadata.chunk_ids)
+        ]
+        self._submit(self.store.submit_stores(items), job_metadata, keys, False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        items = [
+            LoadItem(key, 0, 1, self._row(cid)) for key, cid in zip(keys, job_metadata.chunk_ids)
+        ]
+        self._submit(self.store.submit_loads(items), job_metadata, keys, True)
+
+    def _result(self, job: IOJob, vllm_job: int, keys: list, is_load: bool) -> JobResult:
+        """vLLM's JobResult of a finished job: a load keeps the keys whose unit was verified."""
+        outcomes = (
+            job.value if isinstance(job.value, list) and len(job.value) == len(keys) else None
+        )
+        ok = [k for k, o in zip(keys, outcomes or ()) if o.status == "ok"]
+        elapsed = None
+        if job.started_at is not None and job.finished_at is not None:
+            elapsed = job.finished_at - job.started_at
+        if not is_load:
+            if self.events is not None and ok:
+                self.events.append(OffloadingEvent(ok, self.medium, False, self.locality))
+            return JobResult(vllm_job, len(ok) == len(keys), None, elapsed, job.nbytes or None)
+        if len(ok) == len(keys):
+            return JobResult(vllm_job, True, None, elapsed, job.nbytes or None)
+        kept = set(ok)
+        self._lookups.mark_miss([k for k in keys if k not in kept])
+        return JobResult(vllm_job, False, tuple(ok) or None, elapsed, job.nbytes or None)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._done = self._done, []
+        for job in self._io.poll():
+            entry = self._jobs.pop(job.job_id, None)
+            if entry is not None:
+                results.append(self._result(*entry))
+        return results
+
+    def drain_jobs(self) -> None:
+        """Wait for every submitted job (each ends by its deadline at the latest); their
+        results come with the next :meth:`get_finished_jobs`."""
+        for io_id in list(self._jobs):
+            self._io.wait(self._jobs[io_id][0])
+            self._done.append(self._result(*self._jobs.pop(io_id)))
+
+    # ------------------------------------------------------------------ events and metrics
+
+    def _collect_removed(self) -> None:
+        take = getattr(self.store, "take_removed", None)
+        removed = take() if take is not None else []
+        if not removed:
+            return
+        self._removed += len(removed)
+        if self.events is not None:
+            keys = [OffloadKey(bytes(key)) for key, _first, _end in removed]
+            self.events.append(OffloadingEvent(keys, self.medium, True, self.locality))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._collect_removed()
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The counters' increase since the last call (vLLM sums them into Prometheus)."""
+        totals = {
+            CORRUPT_UNITS: self.store.metrics().corrupt_detected,
+            EXPIRED_JOBS: self._io.stats().expired + self._lookup_pool.stats().expired,
+            REMOVED_UNITS: self._removed,
+        }
+        stats = OffloadingConnectorStats()
+        for name, total in totals.items():
+            if total > self._reported[name]:
+                stats.increase_counter(name, total - self._reported[name], (self.tier_type,))
+                self._reported[name] = total
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        """Stop the lookup thread and the pools (queued jobs cancelled, running ones waited
+        for until their deadline), then the store."""
+        wait = None if self.deadline_s is None else self.deadline_s + 5
+        self._lookups.shutdown()
+        self._lookup_pool.close(cancel=True, timeout=wait)
+        self._io.close(cancel=True, timeout=wait)
+        self.store.close(cancel=True)
+        self._jobs.clear()
+        # vLLM unmaps the region after its tiers shut down; a thread abandoned in stuck
+        # I/O may still hold a row, and then vLLM keeps the mapping (never unmaps under it).
+        self._rows.release()
+
+
+def _check_options(name: str, value: Any, refused: frozenset[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{name}: expected a mapping of option names to values, got {value!r}")
+    clash = sorted(refused & set(value))
+    if clash:
+        raise ValueError(f"{name}: {clash} are set by the tier itself; remove them")
+    return dict(value)
+
+
+def _secret(authenticated: Any) -> Any:
+    """The shared secret of an authenticated tier (from the environment), or None."""
+    if not isinstance(authenticated, bool):
+        raise TypeError(f"authenticated: expected a bool, got {authenticated!r}")
+    if not authenticated:
+        return None
+    from ..units import StoreSecret
+
+    secret = StoreSecret.from_env()
+    if secret is None:
+        raise ValueError(
+            "authenticated: expected CANONICAL_KV_STORE_SECRET or "
+            "CANONICAL_KV_STORE_SECRET_FILE in the environment of every engine"
+        )
+    return secret
+
+
+class CanonicalFileTier(_CanonicalTier):
+    """``canonical_fs``: vLLM's ``fs`` tier, as checksummed units of a :class:`FileStore`.
+
+    Options (``secondary_tiers`` entry): ``root_dir`` (created 0700 when missing),
+    ``capacity_bytes`` (least recently used units evicted beyond it; default unbounded, as
+    ``fs``), ``fsync`` (default off: a torn unit is a miss anyway), ``direct_io`` (O_DIRECT
+    where the file system allows it), ``group_shared``; and every tier's:
+    ``n_read_threads`` / ``n_write_threads`` (one pool of their sum; 16 each),
+    ``queue_depth``, ``deadline_s`` (per job; stuck I/O becomes a miss or a failed store),
+    ``authenticated``, ``enable_kv_events``, ``locality``, ``model_name`` (the same on every
+    node whose model path differs).
+    """
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        root_dir: str,
+        capacity_bytes: int | None = None,
+        fsync: bool = False,
+        direct_io: bool = False,
+        group_shared: bool = False,
+        **options: Any,
+    ) -> None:
+        if not isinstance(root_dir, str) or not root_dir:
+            raise TypeError(f"root_dir: expected a directory path, got {root_dir!r}")
+        self.root_dir = root_dir
+        self._options = dict(
+            capacity_bytes=capacity_bytes,
+            fsync=fsync,
+            direct_io=direct_io,
+            group_shared=group_shared,
+        )
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **options)
+
+    def _open_store(self, **options: Any) -> UnitStore:
+        from ..units import FileStore
+
+        return FileStore(self.root_dir, self.namespace, **self._options, **options)
+
+
+class CanonicalRedisTier(_CanonicalTier):
+    """``canonical_redis``: primary chunks as checksummed units on a Redis / Valkey server or
+    cluster shared by engines on many nodes (a :class:`RedisStore`).
+
+    Options: ``url`` (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``;
+    credentials in it or in ``redis_options``), ``ttl_s``, ``key_prefix``, ``redis_options``
+    (any other RedisStore argument: TLS files, timeouts, ...) and every tier's (see
+    :class:`CanonicalFileTier`; 4 + 4 threads). The server owns eviction (its ``maxmemory``
+    policy): no removal events. A server that is down is a miss for lookups and loads and a
+    failed store, never an error; it is used again as soon as it answers.
+    """
+
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    _THREADS = 4
+    _TIER_SET = frozenset(
+        ["url", "namespace", "pool", "threads", "queue_depth", "deadline_s", "secret"]
+    )
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str,
+        ttl_s: float | None = None,
+        key_prefix: str = "ckv",
+        redis_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise TypeError("url: expected a redis://, rediss://, unix:// or redis+cluster:// URL")
+        self._url = url
+        self._options = {"require_server": False, "ttl_s": ttl_s, "key_prefix": key_prefix}
+        self._options.update(_check_options("redis_options", redis_options, self._TIER_SET))
+        super().__init__(offloading_spec, primary_kv_view, tier_type, **options)
+
+    def _open_store(self, **options: Any) -> UnitStore:
+        from ..units import RedisStore
+
+        return RedisStore(self._url, self.namespace, **self._options, **options)

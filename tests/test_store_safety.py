@@ -1,0 +1,303 @@
+"""The file store at its edges (issue 26): symlinks, FIFOs, other users, modes, the root.
+
+Each case is a test that failed on the store before this one: a symlink planted where a
+directory belongs is never followed (no write, read or delete through it), a FIFO never
+blocks, another user's directory is never trusted, and what the store creates is private.
+The tests run as root where they need another owner (chown); they skip otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import threading
+
+import numpy as np
+import pytest
+from helpers.store import row, small_namespace, unit_files
+
+from canonical_ops.units import FileStore, StoreRootError
+from canonical_ops.units.cli import main as store_cli
+from canonical_ops.units.files import key_digest
+
+NS = small_namespace(8)
+OTHER_UID = 54321
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files another owner")
+
+
+def finishes(fn, timeout: float = 10.0):
+    """``fn()``'s result, failing (not hanging) when it blocks: a FIFO opened for reading."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn} blocked"
+    return out[0] if out else None
+
+
+def populated(root, keys=range(3)) -> str:
+    os.makedirs(root, exist_ok=True)
+    with FileStore(root, NS, fsync=False) as store:
+        for k in keys:
+            assert store.store(k, 0, row(NS, k), k).ok
+        return store.directory
+
+
+def victim_dir(tmp_path) -> tuple[str, list[str]]:
+    """A directory of someone else's files, old enough to look like stale temps."""
+    target = tmp_path / "victim"
+    target.mkdir()
+    names = ["1-1-1-dead.tmp", "notes.txt", "0-8.ckv"]
+    for name in names:
+        (target / name).write_bytes(b"precious")
+        os.utime(target / name, (1_000_000_000, 1_000_000_000))
+    return str(target), names
+
+
+# ---------------------------------------------------------------------- symlinks
+
+
+def test_a_symlinked_tmp_dir_is_never_cleaned_through(tmp_path, capsys) -> None:
+    root = tmp_path / "store"
+    directory = populated(root)
+    target, names = victim_dir(tmp_path)
+    shutil.rmtree(os.path.join(directory, "tmp"))
+    os.symlink(target, os.path.join(directory, "tmp"))
+    with pytest.raises(StoreRootError, match="tmp: expected a directory"):
+        FileStore(root, NS)  # refused at start-up: never cleaned, never written
+    assert sorted(os.listdir(target)) == sorted(names)
+    assert store_cli(["gc", str(root), "--capacity", "0"]) == 0
+    assert sorted(os.listdir(target)) == sorted(names)
+    capsys.readouterr()
+
+
+def test_a_symlinked_shard_dir_is_never_written_into(tmp_path) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[])
+    os.makedirs(directory, exist_ok=True)
+    target, names = victim_dir(tmp_path)
+    kd = key_digest(7)
+    os.symlink(target, os.path.join(directory, kd[:2]))
+    with FileStore(root, NS, fsync=False) as store:
+        job = store.store(7, 0, row(NS, 7), 0)
+        assert job.status == "error" and "expected a directory" in job.detail
+        assert store.lookup([7], 0, 8) == 0
+        assert store.metrics().stores_failed == 1
+    assert sorted(os.listdir(target)) == sorted(names)
+
+
+def test_a_symlinked_key_dir_is_never_read_through(tmp_path) -> None:
+    """A valid unit reachable only through a symlink is a miss, never a load."""
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7])
+    kd = key_digest(7)
+    real = os.path.join(directory, kd[:2], kd)
+    moved = tmp_path / "elsewhere"
+    os.rename(real, moved)
+    os.symlink(moved, real)
+    with FileStore(root, NS, fsync=False) as store:
+        assert store.lookup([7], 0, 8) == 0
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 8, dest).status == "miss" and not dest.any()
+    assert os.listdir(moved) == ["0-8.ckv"]  # nothing removed through the link either
+
+
+def test_a_symlinked_unit_file_is_a_miss(tmp_path) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7])
+    (path,) = unit_files_of(directory)
+    outside = tmp_path / "outside.ckv"
+    os.rename(path, outside)
+    os.symlink(outside, path)
+    with FileStore(root, NS, fsync=False) as store:
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 8, dest).status == "miss" and not dest.any()
+    assert outside.exists()
+
+
+def test_a_symlinked_quarantine_dir_receives_nothing(tmp_path) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7])
+    (path,) = unit_files_of(directory)
+    flip_last_byte(path)
+    target, names = victim_dir(tmp_path)
+    shutil.rmtree(os.path.join(directory, "quarantine"), ignore_errors=True)
+    os.symlink(target, os.path.join(directory, "quarantine"))
+    with FileStore(root, NS, fsync=False) as store:
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 8, dest).status == "miss"
+        assert store.metrics().corrupt_detected == 1
+    assert sorted(os.listdir(target)) == sorted(names)
+
+
+def flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+
+
+def unit_files_of(directory: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(directory):
+        if os.path.relpath(dirpath, directory).split(os.sep)[0] not in ("tmp", "quarantine"):
+            out += [os.path.join(dirpath, n) for n in names if n.endswith(".ckv")]
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------- FIFOs
+
+
+def test_a_fifo_in_place_of_a_unit_never_blocks(tmp_path, capsys) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7])
+    (path,) = unit_files_of(directory)
+    os.unlink(path)
+    os.mkfifo(path)
+    store = finishes(lambda: FileStore(root, NS, fsync=False))  # start-up scan
+    with store:
+        assert finishes(lambda: store.lookup([7], 0, 8)) == 0
+    with FileStore(root, NS, fsync=False) as store:
+        os.mkfifo(path)  # the first was quarantined: plant another
+        job = finishes(lambda: store.store(7, 0, row(NS, 7), 0))
+        assert job.ok
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 8, dest).ok and np.array_equal(dest, row(NS, 7))
+    assert stat.S_ISREG(os.lstat(path).st_mode)
+    os.unlink(path)
+    os.mkfifo(path)
+    assert finishes(lambda: store_cli(["stats", str(root)])) == 0
+    assert finishes(lambda: store_cli(["verify", str(root)])) == 1
+    assert "not a regular file" in capsys.readouterr().out
+
+
+def test_a_fifo_in_place_of_namespace_json_never_blocks(tmp_path, capsys) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7])
+    description = os.path.join(directory, "namespace.json")
+    os.unlink(description)
+    os.mkfifo(description)
+    with finishes(lambda: FileStore(root, NS, fsync=False)) as store:
+        assert finishes(lambda: store.store(8, 0, row(NS, 8), 0)).ok
+    with open(description) as f:  # replaced by the store's description
+        assert json.load(f) == NS.describe()
+    os.unlink(description)
+    os.mkfifo(description)
+    assert finishes(lambda: store_cli(["stats", str(root)])) == 0
+    assert "unreadable namespace" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- other users
+
+
+@as_root
+def test_another_users_namespace_dir_in_a_shared_root_is_refused(tmp_path) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1777)  # like /tmp
+    directory = populated(root, keys=[7])  # the "other user" wrote good units...
+    for dirpath, dirs, files in os.walk(directory):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirs + files)]:
+            os.lchown(name, OTHER_UID, OTHER_UID)  # ...and owns them
+    with pytest.raises(StoreRootError, match=f"found uid {OTHER_UID}"):
+        FileStore(root, NS)
+    # The same directory appearing after start-up: misses and failed stores, never a load.
+    os.rename(directory, tmp_path / "aside")
+    with FileStore(root, NS, fsync=False) as store:
+        os.rename(tmp_path / "aside", directory)
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.lookup([7], 0, 8) == 0
+        assert store.load(7, 0, 8, dest).status == "miss" and not dest.any()
+        assert store.store(9, 0, row(NS, 9), 0).status == "error"
+
+
+@as_root
+def test_directories_of_another_owner_or_writable_by_others_are_not_used(tmp_path) -> None:
+    root = tmp_path / "store"
+    directory = populated(root, keys=[7, 8])
+    kd7, kd8 = key_digest(7), key_digest(8)
+    os.chmod(os.path.join(directory, kd7[:2], kd7), 0o777)  # anyone could plant units there
+    os.chown(os.path.join(directory, kd8[:2], kd8), OTHER_UID, -1)
+    with FileStore(root, NS, fsync=False) as store:
+        assert store.metrics().units_on_disk == 0  # neither indexed at start-up
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        for key in (7, 8):
+            assert store.load(key, 0, 8, dest).status == "miss"
+        assert not dest.any()
+
+
+def test_a_root_writable_by_others_must_be_sticky(tmp_path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(StoreRootError, match="not sticky"):
+        FileStore(root, NS)
+    os.chmod(root, 0o1777)
+    FileStore(root, NS).close()
+
+
+# ---------------------------------------------------------------------- modes, laziness
+
+
+def modes(directory: str) -> dict[str, int]:
+    out = {}
+    for dirpath, dirs, files in os.walk(directory):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirs + files)]:
+            out[os.path.relpath(name, directory)] = stat.S_IMODE(os.lstat(name).st_mode)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("group_shared", "dmode", "fmode"), [(False, 0o700, 0o600), (True, 0o770, 0o660)]
+)
+def test_what_the_store_creates_is_private_or_group_shared(
+    tmp_path, group_shared, dmode, fmode
+) -> None:
+    old = os.umask(0o022)
+    try:
+        shared = {"group_shared": True} if group_shared else {}
+        with FileStore(tmp_path, NS, fsync=False, **shared) as store:
+            assert store.store(7, 0, row(NS, 7), 0).ok
+            bad = bytearray(row(NS, 8))
+            assert store.store(8, 0, bad, 0).ok
+            (victim,) = [p for p in unit_files(store) if key_digest(8) in p]
+            flip_last_byte(victim)
+            assert store.load(8, 0, 8, np.zeros(NS.total_bytes, np.uint8)).status == "miss"
+            found = modes(store.directory)
+    finally:
+        os.umask(old)
+    assert (
+        found.pop(".") == dmode and found.pop("tmp") == dmode and found.pop("quarantine") == dmode
+    )
+    dirs = {k: v for k, v in found.items() if not k.endswith((".ckv", ".json"))}
+    files = {k: v for k, v in found.items() if k not in dirs}
+    assert set(dirs.values()) == {dmode} and len(dirs) >= 2
+    assert set(files.values()) == {fmode} and "namespace.json" in files and len(files) == 3
+
+
+def test_a_read_phase_leaves_no_namespace_dir(tmp_path, capsys) -> None:
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        assert store.lookup([1, 2], 0, 8) == 0
+        assert store.load(1, 0, 8, np.zeros(NS.total_bytes, np.uint8)).status == "miss"
+        store.gc()
+    assert os.listdir(tmp_path) == []
+    assert store_cli(["stats", str(tmp_path)]) == 0
+    assert "0 namespace(s)" in capsys.readouterr().out
+
+
+def test_gc_dry_run_lists_and_removes_nothing(tmp_path, capsys) -> None:
+    directory = populated(tmp_path, keys=range(4))
+    before = unit_files_of(directory)
+    assert store_cli(["gc", "--dry-run", "--json", str(tmp_path), "--capacity", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (
+        report["dry_run"] and report["units_evicted"] == 4 and sorted(report["evicted"]) == before
+    )
+    assert unit_files_of(directory) == before
+    assert store_cli(["gc", "--dry-run", str(tmp_path), "--capacity", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "would evict 4 unit(s)" in out and all(p in out for p in before)
+    assert unit_files_of(directory) == before
