@@ -108,14 +108,14 @@ bench: install redis-server
 
 # vLLM's `fs` secondary tier (its C batch path, O_DIRECT and buffered) vs `canonical_fs` on the
 # same chunks, jobs and file system (BENCH_VLLM_ARGS, e.g. --dir /mnt/nvme). In .venv-vllm.
-bench-vllm: $(VLLM_VENV)/.requirements
+bench-vllm: install $(VLLM_VENV)/.requirements
 	$(VLLM_PY) bench/bench_vllm_tiers.py --quick --out $(BENCH_OUT) $(BENCH_VLLM_ARGS)
 
 lint: $(VENV)/.requirements
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'kernels/*.cpp' 'kernels/*.h' 'kernels/*.cu' 'kernels/*.cuh' \
-	  'bench/*.c' 'bench/*.cpp' 'bench/*.cu')
+	  'bench/*.c' 'bench/*.cpp' 'bench/*.cu' ':!kernels/third_party')
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

@@ -10,6 +10,7 @@ has no image for.
 """
 
 import os
+import platform
 import shutil
 import sys
 
@@ -107,6 +108,25 @@ def _extensions():
     ]
 
 
+def _unitio():
+    """canonical_ops._unitio: FileStore's batch unit I/O (plain CPython C API, no torch, so
+    canonical_ops.units imports it in any venv of the same Python), with xxHash vendored
+    (kernels/third_party/xxhash, BSD-2; run-time dispatch to AVX-512 / AVX2 on x86)."""
+    from setuptools import Extension
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    sources = ["kernels/unitio/unitio.cpp"]
+    if x86:
+        sources.append("kernels/third_party/xxhash/xxh_x86dispatch.c")
+    flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wno-maybe-uninitialized"]
+    return Extension(
+        "canonical_ops._unitio",
+        sources,
+        include_dirs=[os.path.join(ROOT, "kernels", "third_party", "xxhash")],
+        extra_compile_args=flags,
+    )
+
+
 def _build_ext():
     from torch.utils import cpp_extension
 
@@ -121,7 +141,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["numpy>=1.26", "torch>=2.6", "xxhash>=3.4"],
     extras_require={"redis": ["redis>=5"]},
-    ext_modules=_extensions(),
+    ext_modules=[*_extensions(), _unitio()],
     # vLLM loads general plugins at start-up: this registers CanonicalOffloadingSpec.
     entry_points={"vllm.general_plugins": ["canonical_kv = canonical_ops.vllm:register"]},
     cmdclass={"build_ext": _build_ext()},

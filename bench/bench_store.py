@@ -24,14 +24,15 @@ stalls the next journal commits):
                   (started before the clock, as the pool's are);
   * plain stream  one big file: the same bytes as one sequential write/read, [one
                   fdatasync at the end];
-  * tier 1T       FileStore.store()/load() inline, one unit after the other
-                  (header, xxh3 over the payload, temp file, [fdatasync], link,
-                  [directory fsync]; load: preadv and hash in 1 MiB pieces);
+  * tier 1T       FileStore.store()/load() inline, one unit after the other (native:
+                  temp file written and xxh3-hashed in 256 KiB pieces, [fdatasync],
+                  rename-no-replace, [directory fsync]; load: 256 KiB RWF_NOWAIT
+                  pieces hashed in place from the page cache, else read and hashed
+                  in a buffer);
   * tier pool     FileStore.submit_store()/submit_load() through its job pool
                   (``--threads``), all units queued then waited for;
-  * checksum      xxh3-128 alone over the same payloads (one thread), as the tier
-                  hashes them: from memory (stores), in 1 MiB pieces already in the
-                  cache (loads).
+  * checksum      xxh3-128 alone over the same payloads (one thread): from memory
+                  (stores), in 256 KiB pieces already in the cache (loads).
 
 Rows (sources and destinations) are page aligned, as a region in /dev/shm is. Keys
 are 32 bytes (``--key-bytes``), as engines' sha256 block hashes: a unit's payload then
@@ -62,7 +63,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -70,7 +70,10 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_read_hash import on_threads
+
 from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
+from canonical_ops.units.files import _PIECE_BYTES
 from layouts import LayerSpec, RankContext
 
 MODELS = {
@@ -97,7 +100,7 @@ RATIO_GOALS = (
     ("load cold", "tier 1T", "plain files", 0.9),
 )
 CHECKSUM_SHARE_TARGET = 0.10
-LOAD_PIECE_BYTES = 1 << 20  # FileStore's loads read and hash a unit in pieces of this size
+LOAD_PIECE_BYTES = _PIECE_BYTES  # FileStore's loads read and hash a unit in pieces of this size
 # The tier opens units with O_NOATIME (no inode update per read); so does the baseline.
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
 
@@ -187,30 +190,35 @@ class Case:
             root, self.ns, fsync=self.fsync, threads=threads, queue_depth=self.count + 1
         )
 
+    def _tier(self, method: str, root: str, cold: bool, rows: np.ndarray) -> float:
+        """Seconds to store ``rows`` (``rows is self.rows``) or load them, unit by unit
+        inline ("tier 1T") or all queued then waited for ("tier pool")."""
+        store = self._store(root, self.threads if method == "tier pool" else 1)
+        n, pool, storing = self.ns.num_layers, method == "tier pool", rows is self.rows
+        try:
+            if cold:  # the start-up scan read headers: drop them again
+                _evict_from_page_cache(_list_files(root))
+            start = time.perf_counter()
+            jobs = [
+                (store.submit_store if pool else store.store)(self.keys[i], 0, rows[i], i)
+                if storing
+                else (store.submit_load if pool else store.load)(self.keys[i], 0, n, rows[i])
+                for i in range(self.count)
+            ]
+            jobs = [store.wait(j) for j in jobs] if pool else jobs
+            elapsed = time.perf_counter() - start
+        finally:
+            store.close()
+        bad = [j for j in jobs if not j.ok]
+        assert not bad, bad[0].detail
+        return elapsed
+
     # ----------------------------------------------------------------- writes
 
     def write(self, method: str) -> float:
         root = self._fresh(method)
         if method.startswith("tier"):
-            store = self._store(root, self.threads if method == "tier pool" else 1)
-            try:
-                start = time.perf_counter()
-                if method == "tier 1T":
-                    jobs = [
-                        store.store(self.keys[i], 0, self.rows[i], i) for i in range(self.count)
-                    ]
-                else:
-                    jobs = [
-                        store.submit_store(self.keys[i], 0, self.rows[i], i)
-                        for i in range(self.count)
-                    ]
-                    jobs = [store.wait(j) for j in jobs]
-                elapsed = time.perf_counter() - start
-            finally:
-                store.close()
-            bad = [j for j in jobs if not j.ok]
-            assert not bad, bad[0].detail
-            return elapsed
+            return self._tier(method, root, False, self.rows)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
         def write_files(units: range) -> None:
@@ -222,7 +230,7 @@ class Case:
                 os.close(fd)
 
         if method == "plain files xN":
-            return _timed_threads(self.threads, self.count, write_files)
+            return on_threads(self.threads, self.count, write_files)()
         start = time.perf_counter()
         if method == "plain files":
             write_files(range(self.count))
@@ -243,21 +251,7 @@ class Case:
             _evict_from_page_cache(_list_files(root))
         self.dest[:] = 0
         if method.startswith("tier"):
-            store = self._store(root, self.threads if method == "tier pool" else 1)
-            try:
-                if cold:  # the start-up scan read headers: drop them again
-                    _evict_from_page_cache(_list_files(root))
-                start = time.perf_counter()
-                if method == "tier 1T":
-                    jobs = [store.load(self.keys[i], 0, self.ns.num_layers, self.dest[i]) for i in range(self.count)]  # fmt: skip
-                else:
-                    jobs = [store.submit_load(self.keys[i], 0, self.ns.num_layers, self.dest[i]) for i in range(self.count)]  # fmt: skip
-                    jobs = [store.wait(j) for j in jobs]
-                elapsed = time.perf_counter() - start
-            finally:
-                store.close()
-            bad = [j for j in jobs if not j.ok]
-            assert not bad, bad[0].detail
+            elapsed = self._tier(method, root, cold, self.dest)
         else:
 
             def read_files(units: range) -> None:
@@ -269,7 +263,7 @@ class Case:
 
             start = time.perf_counter()
             if method == "plain files xN":
-                elapsed = _timed_threads(self.threads, self.count, read_files)
+                elapsed = on_threads(self.threads, self.count, read_files)()
             elif method == "plain files":
                 read_files(range(self.count))
             else:
@@ -305,31 +299,6 @@ class Case:
                 elapsed += time.perf_counter() - start
             hasher.digest()
         return elapsed
-
-
-def _timed_threads(threads: int, count: int, body) -> float:
-    """Seconds for ``threads`` threads to run ``body`` over units ``k, k + threads, ...``.
-
-    The threads are started, and wait, before the clock starts, as the tier's pool
-    threads do: only the work is timed.
-    """
-    go = threading.Event()
-    ready = threading.Barrier(threads + 1)
-
-    def worker(k: int) -> None:
-        ready.wait()
-        go.wait()
-        body(range(k, count, threads))
-
-    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
-    for thread in pool:
-        thread.start()
-    ready.wait()
-    start = time.perf_counter()
-    go.set()
-    for thread in pool:
-        thread.join()
-    return time.perf_counter() - start
 
 
 def run(args) -> dict:
@@ -577,14 +546,18 @@ def main(argv: list[str] | None = None) -> int:
     args.ops = tuple(op for op in OPS if op in ops)
     if args.quick:
         args.mib, args.repeats = 64, 2
-    report = run(args)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_store.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(args.out, "bench_store.md"), "w") as f:
-            f.write(markdown(report))
+    write_report(run(args), args.out, "bench_store", markdown)
     return 0
+
+
+def write_report(report: dict, out: str | None, stem: str, markdown) -> None:
+    """``out/stem.json`` and ``out/stem.md`` (``markdown(report)``), when ``out`` is given."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{stem}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(out, f"{stem}.md"), "w") as f:
+            f.write(markdown(report))
 
 
 if __name__ == "__main__":

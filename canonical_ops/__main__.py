@@ -5,8 +5,9 @@ A usage error is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-import os
 import sys
+
+from layouts.cli import run_console
 
 PROG = "python -m canonical_ops"
 USAGE = (
@@ -14,7 +15,7 @@ USAGE = (
     "commands:\n"
     "  demo   TP=4 writers store a prompt's KV in canonical pages, TP=2 readers load it and\n"
     "         verify it bit for bit against the unsharded truth (`demo --help`: flags, presets)\n"
-    "  store  stats|verify|gc DIR: inspect and maintain a persistent page store"
+    "  store  stats|verify|gc DIR|URL: inspect and maintain a unit store (files or Redis)"
 )
 
 
@@ -39,12 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> int:
-    """``main`` for the console: a reader that stops reading (``| head``) is no error."""
-    try:
-        return main()
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
-        return 141
+    """``main`` for the console (``| head`` is no error)."""
+    return run_console(main)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,5 @@
-"""Loads the compiled extension ``canonical_ops._C``, which registers ``torch.ops.canonical``.
-
-A real module import (the extension defines ``PyInit__C``), as pytorch/extension-cpp does:
-Python's import system picks the one build whose ABI tag matches this interpreter, so a
-``_C`` built for another Python version next to it can never be loaded by mistake.
-"""
+"""Loads the compiled extension ``canonical_ops._C`` (registers ``torch.ops.canonical``) as a
+real module import: Python picks the one build whose ABI tag matches this interpreter."""
 
 from __future__ import annotations
 

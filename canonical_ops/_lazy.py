@@ -1,9 +1,5 @@
-"""Lazy re-exports for package ``__init__`` modules (PEP 562).
-
-A package lists ``public name -> defining submodule``; the submodule is imported on the
-first access of one of its names, so importing the package itself stays light (no
-compiled extension, no torch op registration) until an op is actually used.
-"""
+"""Lazy re-exports for package ``__init__`` modules (PEP 562): a submodule is imported on
+the first access of one of its names, so importing a package stays light."""
 
 from __future__ import annotations
 
@@ -15,17 +11,9 @@ from typing import Any
 def lazy_exports(
     package: str, namespace: dict[str, Any], exports: Mapping[str, str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package`` re-exporting ``exports`` lazily.
-
-    Parameters
-    ----------
-    package : str
-        The package's ``__name__``.
-    namespace : dict
-        The package's ``globals()``; a resolved name is cached there.
-    exports : Mapping[str, str]
-        Public name -> module defining it, relative to ``package`` (e.g. ``".ops"``).
-    """
+    """``(__getattr__, __dir__)`` for ``package`` re-exporting ``exports`` (public name ->
+    module relative to ``package``, e.g. ``".ops"``) lazily; ``namespace``: the package's
+    ``globals()``, where a resolved name is cached."""
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)

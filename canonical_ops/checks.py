@@ -1,15 +1,12 @@
-"""The one checker of integer arguments (and id arrays) used across canonical_ops.
-
-Every public entry point that takes a count, an index or an id goes through here, so
-they all agree: Python and numpy integers are accepted; anything else (floats, bools,
-strings, None) raises ``TypeError``; a value out of range raises ``ValueError`` (or a
-subclass such as ``PageStateError``). Messages name the argument and the expected value.
-Pure Python + numpy (torch only when a tensor is passed): no compiled extension needed.
-"""
+"""The one checker of integer arguments and id arrays across canonical_ops, so every entry
+point agrees: Python and numpy integers are accepted, anything else raises ``TypeError``, a
+value out of range ``ValueError`` (or a subclass such as ``PageStateError``), naming the
+argument and the expected value. Pure Python + numpy (torch only for a tensor)."""
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +21,8 @@ __all__ = ["check_ids", "check_int", "check_seconds"]
 def _describe_range(minimum: int | None, maximum: int | None) -> str:
     if minimum is not None and maximum is not None:
         return f"an int in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return f"an int >= {minimum}"
-    if maximum is not None:
-        return f"an int <= {maximum}"
+    if minimum is not None or maximum is not None:
+        return f"an int >= {minimum}" if minimum is not None else f"an int <= {maximum}"
     return "an int"
 
 
@@ -39,26 +34,10 @@ def check_int(
     maximum: int | None = None,
     error: type[ValueError] = ValueError,
 ) -> int:
-    """``value`` as a Python int, after checking its type and range.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name, as the caller spells it (used in the message).
-    value : Any
-        A Python or numpy integer; ``bool`` is refused (``True`` is not a count).
-    minimum, maximum : int, optional
-        Inclusive bounds.
-    error : type[ValueError]
-        Exception raised for a value out of range (a ``ValueError`` subclass).
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not an integer (float, bool, str, None, ...).
-    ValueError
-        ``value`` is out of ``[minimum, maximum]`` (or ``error``).
-    """
+    """``value`` (a Python or numpy integer; ``bool`` is refused: ``True`` is not a count)
+    as a Python int. TypeError for a non-integer; ``error`` (a ValueError subclass, default
+    ValueError) for a value out of the inclusive ``[minimum, maximum]``. ``name``: the
+    argument as the caller spells it, named in the message."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(
             f"{name}: expected {_describe_range(minimum, maximum)}, got "
@@ -70,61 +49,35 @@ def check_int(
     return number
 
 
-def check_seconds(name: str, value: Any, *, optional: bool = False) -> float | None:
-    """``value`` as float seconds > 0 (finite); None passes when ``optional``.
-
-    TypeError for a non-number (bool, str, ...), ValueError for 0, a negative, inf or nan.
-    """
+def check_seconds(
+    name: str, value: Any, *, optional: bool = False, zero: bool = False
+) -> float | None:
+    """``value`` as finite float seconds > 0 (>= 0 with ``zero``); None passes when
+    ``optional``. TypeError for a non-number (bool, str, ...), ValueError out of range."""
     if value is None and optional:
         return None
-    what = "a number of seconds > 0" + (" or None" if optional else "")
+    what = f"a number of seconds {'>=' if zero else '>'} 0" + (" or None" if optional else "")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
         raise TypeError(f"{name}: expected {what}, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and (value > 0 or (zero and value == 0))):
         raise ValueError(f"{name}: expected {what}, got {value!r}")
     return float(value)
 
 
-_INT_KINDS = ("i", "u")
-
-
 def check_ids(name: str, ids: Any) -> np.ndarray | torch.Tensor:
-    """An id array as int64, refusing anything that is not made of integers.
-
-    Parameters
-    ----------
-    name : str
-        The argument's name (used in messages).
-    ids : torch.Tensor | numpy.ndarray | Sequence[int]
-        1-D integer ids. Tensors and arrays of any integer dtype are accepted (and
-        converted to int64); floating point, bool or object dtypes are refused, as are
-        sequences holding anything but Python / numpy integers. Nothing is rounded or
-        coerced.
-
-    Returns
-    -------
-    torch.Tensor | numpy.ndarray
-        A tensor (on its device, int64) when given a tensor, else an int64 numpy array.
-
-    Raises
-    ------
-    TypeError
-        Not integers.
-    ValueError
-        Not 1-D.
-    """
-    if type(ids).__module__.startswith("torch") and hasattr(ids, "dtype"):
-        import torch
-
-        if not isinstance(ids, torch.Tensor):  # pragma: no cover - torch-like non-tensors
-            raise TypeError(f"{name}: expected a tensor of integer ids, got {type(ids).__name__}")
+    """1-D integer ids as int64: a tensor stays a tensor (on its device), anything else
+    becomes a numpy array. Tensors and arrays of any integer dtype are converted; floating
+    point, bool, complex or object dtypes and sequences holding anything but Python / numpy
+    integers raise TypeError (nothing is rounded or coerced); not 1-D raises ValueError."""
+    torch = sys.modules.get("torch")  # loaded already if ids is a tensor
+    if torch is not None and isinstance(ids, torch.Tensor):
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise TypeError(f"{name}: expected integer ids, got a tensor of dtype {ids.dtype}")
         if ids.dim() != 1:
             raise ValueError(f"{name}: expected a 1-D tensor of ids, got {ids.dim()}-D")
         return ids if ids.dtype == torch.int64 else ids.to(torch.int64)
     if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in _INT_KINDS:
+        if ids.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected integer ids, got an array of dtype {ids.dtype}")
         if ids.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D array of ids, got {ids.ndim}-D")

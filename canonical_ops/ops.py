@@ -10,15 +10,8 @@ import torch
 from . import _extension  # noqa: F401  (registers torch.ops.canonical)
 from .checks import check_ids, check_int
 
-__all__ = [
-    "CanonicalTransferError",
-    "check_device_errors",
-    "check_unique_ids",
-    "load",
-    "set_sm_budget",
-    "store",
-    "transfer_error",
-]
+__all__ = ["CanonicalTransferError", "check_device_errors", "check_unique_ids", "load"]
+__all__ += ["set_sm_budget", "store", "transfer_error"]
 
 # Words of a device-error record (plan.h ErrorRecordField): block-id flag, page-id flag,
 # index + 1 of one refused pair, reserved.
@@ -33,12 +26,9 @@ IdsLike = torch.Tensor | Sequence[int] | np.ndarray
 
 
 def check_unique_ids(name: str, ids: np.ndarray, what: str) -> None:
-    """Raise ValueError if an id appears twice in ``ids`` (host int64, 1-D).
-
-    The destinations of one call (page ids of a store, block ids of a load) must be
-    distinct: two copies into one destination would leave an undefined mix of two
-    sources. Sources may repeat.
-    """
+    """Raise ValueError if an id appears twice in ``ids`` (host int64, 1-D): the destinations
+    of one call (page ids of a store, block ids of a load) must be distinct, or a destination
+    would hold an undefined mix of two sources. Sources may repeat."""
     if ids.size < 2:
         return
     order = np.argsort(ids, kind="stable")
@@ -52,10 +42,9 @@ def check_unique_ids(name: str, ids: np.ndarray, what: str) -> None:
 
 
 def _as_ids(name: str, ids: IdsLike, device: torch.device, destination: str | None) -> torch.Tensor:
-    """Integer ids as an int64 tensor (lists and arrays moved to ``device``); floats,
-    bools and strings raise TypeError rather than being rounded. ``destination``: ids
-    that must be distinct (checked here for lists and arrays; the op checks host
-    tensors; device tensors cannot be checked without a sync)."""
+    """Integer ids (:func:`check_ids`) as an int64 tensor, lists and arrays moved to ``device``.
+    ``destination``: ids that must be distinct (checked here for lists and arrays; the op
+    checks host tensors; device tensors cannot be checked without a sync)."""
     checked = check_ids(name, ids)
     if isinstance(checked, torch.Tensor):
         return checked
@@ -71,20 +60,14 @@ def store(
     block_ids: IdsLike,
     page_ids: IdsLike,
 ) -> None:
-    """Copy blocks ``block_ids`` of every layer into canonical pages ``page_ids``.
+    """Copy blocks ``block_ids`` of every layer (``kv_caches``, one ``(num_blocks, ...)``
+    tensor each) into canonical pages ``page_ids`` of ``cpu_pages`` (uint8 ``(num_rows,
+    row_bytes)``, pinned for CUDA) with ``plan`` (:func:`canonical_ops.make_plan`): only the
+    bytes this rank is an elected writer of. Asynchronous on CUDA (current stream).
 
-    Only the bytes this rank is an elected writer of (``mapping.is_writer(page)``)
-    are written. Asynchronous on CUDA (current stream).
-
-    Parameters
-    ----------
-    kv_caches : sequence of torch.Tensor, one per layer, (num_blocks, ...).
-    cpu_pages : torch.Tensor, uint8 (num_rows, row_bytes); pinned for CUDA kv caches.
-    plan : torch.Tensor from :func:`canonical_ops.make_plan` for these tensors.
-    block_ids, page_ids : int64 (n,), on the kv device (or pinned CPU for CUDA).
-        Integer ids only (floats, bools, strings raise TypeError). Page ids must be
-        distinct (ValueError); device-resident page ids cannot be checked without a
-        sync: a repeated one leaves that page an undefined mix of its sources.
+    Ids: integers only (floats, bools, strings raise TypeError), on the kv device or CPU.
+    Page ids must be distinct (ValueError); device-resident ones cannot be checked without
+    a sync: a repeated one leaves that page an undefined mix of its sources.
     """
     _call(True, kv_caches, cpu_pages, plan, block_ids, page_ids)
 
@@ -109,32 +92,19 @@ def _call(store: bool, kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
     blocks = None if store else "block ids in a load (destinations)"
     pages = "page ids in a store (destinations)" if store else None
     block_ids = _as_ids("block_ids", block_ids, plan.device, blocks)
-    op(
-        list(kv_caches),
-        cpu_pages,
-        plan,
-        block_ids,
-        _as_ids("page_ids", page_ids, plan.device, pages),
-    )
+    page_ids = _as_ids("page_ids", page_ids, plan.device, pages)
+    op(list(kv_caches), cpu_pages, plan, block_ids, page_ids)
 
 
 def transfer_error(
-    record: Sequence[int],
-    block_ids: np.ndarray | None = None,
-    page_ids: np.ndarray | None = None,
+    record: Sequence[int], block_ids: np.ndarray | None = None, page_ids: np.ndarray | None = None
 ) -> CanonicalTransferError | None:
-    """The error a device-error record describes (None if it records nothing).
-
-    ``record``: the ERROR_RECORD_WORDS words (block-id flag, page-id flag, refused pair
-    + 1, reserved). ``block_ids`` / ``page_ids``: the call's ids on the host, when known,
-    to name the refused pair's ids.
-    """
+    """The error a device-error record (its ERROR_RECORD_WORDS words) describes, or None;
+    ``block_ids`` / ``page_ids``: the call's host ids, when known, name the refused pair."""
     block_flag, page_flag, pair_plus_one = (int(v) for v in record[:3])
     if not (block_flag or page_flag):
         return None
-    what = " and ".join(
-        name for flag, name in ((block_flag, "block id"), (page_flag, "page id")) if flag
-    )
+    what = " and ".join(["block id"] * bool(block_flag) + ["page id"] * bool(page_flag))
     pair = pair_plus_one - 1
     ids = ""
     if block_ids is not None and page_ids is not None and 0 <= pair < len(block_ids):
@@ -146,39 +116,30 @@ def transfer_error(
 
 
 def check_device_errors(plan: torch.Tensor) -> None:
-    """Raise if a CUDA kernel using ``plan`` refused an out-of-range device id.
-
-    Call after synchronising with the transfers (e.g. ``torch.cuda.synchronize()``):
-    the record lives in mapped pinned host memory, so this is a plain host read (no
-    CUDA call, nothing queued on any stream); it then clears the record. One record
-    per plan, shared by every stream using the plan: the offload workers give each
-    kernel its own record instead (:class:`canonical_ops.transfer.ErrorRecords`). A no-op for CPU plans (their
-    ids are checked before the copy).
-    """
+    """Raise if a CUDA kernel using ``plan`` refused an out-of-range device id, then clear
+    the record. Call after synchronising with the transfers: the record is mapped pinned
+    host memory, read with no CUDA call. One record per plan, shared by every stream using
+    it (the offload workers give each kernel its own: ``transfer.ErrorRecords``). A no-op
+    for CPU plans (their ids are checked before the copy)."""
     error = transfer_error(torch.ops.canonical._plan_error(plan))
     if error is not None:
         raise error
 
 
 def set_sm_budget(sms: int) -> int:
-    """Limit CUDA transfers to ``sms`` SMs' worth of thread blocks; returns the previous budget.
-
-    Default 8 (or the CANONICAL_KV_SM_BUDGET environment variable).
-    """
+    """Limit CUDA transfers to ``sms`` SMs' worth of thread blocks (default 8, or the
+    CANONICAL_KV_SM_BUDGET environment variable); returns the previous budget."""
     return int(torch.ops.canonical._set_sm_budget(check_int("sms", sms, minimum=1, maximum=4096)))
 
 
 def _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
-    # Metadata-only checks, mirroring the eager kernels' exception types, so a
-    # traced call fails like an eager one. Runs for fake tensors while tracing
-    # and for real meta tensors (which must not silently skip a device check).
+    """The fake kernel: metadata-only checks with the eager kernels' exception types, so a
+    traced call fails like an eager one (and a real meta tensor skips no device check)."""
     if not kv_caches:
         raise ValueError("kv_caches: expected one tensor per layer, got none")
     device = kv_caches[0].device
-    all_meta = all(
-        t.device.type == "meta" for t in (*kv_caches, cpu_pages, plan, block_ids, page_ids)
-    )
-    if not all_meta:
+    tensors = (*kv_caches, cpu_pages, plan, block_ids, page_ids)
+    if not all(t.device.type == "meta" for t in tensors):
         for layer, kv in enumerate(kv_caches):
             if kv.device != device:
                 raise ValueError(
@@ -194,21 +155,16 @@ def _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
         for name, ids in (("block_ids", block_ids), ("page_ids", page_ids)):
             if ids.device != device and ids.device.type != "cpu":
                 raise ValueError(f"{name}: expected a tensor on {device} or CPU, got {ids.device}")
-    if cpu_pages.dtype != torch.uint8:
-        raise TypeError(f"cpu_pages: expected dtype uint8, got {cpu_pages.dtype}")
-    if cpu_pages.dim() != 2:
-        raise ValueError(
-            f"cpu_pages: expected a 2-D (rows, row_bytes) tensor, got {cpu_pages.dim()}-D"
-        )
-    if plan.dtype != torch.int64:
-        raise TypeError(f"plan: expected dtype int64, got {plan.dtype}")
-    if plan.dim() != 1:
-        raise ValueError("plan: expected a 1-D tensor from canonical_ops.make_plan")
-    for name, ids in (("block_ids", block_ids), ("page_ids", page_ids)):
-        if ids.dtype != torch.int64:
-            raise TypeError(f"{name}: expected dtype int64, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D tensor, got {ids.dim()}-D")
+    for name, tensor, dtype, shape in (
+        ("cpu_pages", cpu_pages, "uint8", "2-D (rows, row_bytes)"),
+        ("plan", plan, "int64", "1-D (from canonical_ops.make_plan)"),
+        ("block_ids", block_ids, "int64", "1-D"),
+        ("page_ids", page_ids, "int64", "1-D"),
+    ):
+        if tensor.dtype != getattr(torch, dtype):
+            raise TypeError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+        if tensor.dim() != int(shape[0]):
+            raise ValueError(f"{name}: expected a {shape} tensor, got {tensor.dim()}-D")
     if block_ids.shape[0] != page_ids.shape[0]:
         raise ValueError(
             f"page_ids: expected as many ids as block_ids ({block_ids.shape[0]}), "
@@ -216,11 +172,5 @@ def _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
         )
 
 
-@torch.library.register_fake("canonical::canonical_store")
-def _canonical_store_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
-    _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids)
-
-
-@torch.library.register_fake("canonical::canonical_load")
-def _canonical_load_fake(kv_caches, cpu_pages, plan, block_ids, page_ids) -> None:
-    _check_fake(kv_caches, cpu_pages, plan, block_ids, page_ids)
+torch.library.register_fake("canonical::canonical_store")(_check_fake)
+torch.library.register_fake("canonical::canonical_load")(_check_fake)

@@ -1,11 +1,9 @@
-"""Plan building: per-layer canonical mappings -> one int64 plan tensor on the kv device.
-
-Built once at init; every transfer afterwards passes only block ids and page
-ids. The record layout is documented in kernels/include/canonical/plan.h.
-"""
+"""Plan building: per-layer canonical mappings -> one int64 plan tensor on the kv device, built
+once; transfers pass only block and page ids. Layout: kernels/include/canonical/plan.h."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -31,10 +29,7 @@ CUDA_MAX_FRAGMENT_BYTES = 2048
 def _alignment(values: np.ndarray) -> int:
     """Largest power of two <= 16 dividing every value."""
     combined = int(np.bitwise_or.reduce(values.astype(np.int64))) if values.size else 0
-    align = 16
-    while align > 1 and combined % align:
-        align //= 2
-    return align
+    return min(16, combined & -combined) if combined else 16  # its lowest set bit
 
 
 def _split(frags: np.ndarray, limit: int | None) -> np.ndarray:
@@ -43,23 +38,16 @@ def _split(frags: np.ndarray, limit: int | None) -> np.ndarray:
         return frags
     pieces = -(-frags[:, 2] // limit)
     rows = np.repeat(frags, pieces, axis=0)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    index = np.arange(rows.shape[0], dtype=np.int64) - first
-    start = index * limit
-    out = np.empty_like(rows)
-    out[:, 0] = rows[:, 0] + start
-    out[:, 1] = rows[:, 1] + start
-    out[:, 2] = np.minimum(limit, rows[:, 2] - start)
-    return out
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)  # each piece's fragment's first
+    start = (np.arange(len(rows), dtype=np.int64) - first) * limit  # a piece's offset in it
+    sizes = np.minimum(limit, rows[:, 2] - start)
+    return np.column_stack([rows[:, 0] + start, rows[:, 1] + start, sizes])
 
 
 def default_area_offsets(mappings: Sequence[CanonicalPageMapping], pages_per_row: int) -> list[int]:
     """Layer areas carved consecutively in each row, layer 0 first (as vLLM's views do)."""
-    offsets, position = [], 0
-    for mapping in mappings:
-        offsets.append(position)
-        position += pages_per_row * mapping.canonical_page_size_bytes
-    return offsets
+    sizes = [pages_per_row * m.canonical_page_size_bytes for m in mappings]
+    return list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
 
 
 def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row: int = 1) -> int:
@@ -68,11 +56,8 @@ def canonical_row_bytes(mappings: Sequence[CanonicalPageMapping], pages_per_row:
 
 
 def spec_geometry(spec: LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and strides (in elements) of one block of a cache laid out as ``spec`` says.
-
-    These are the layouts :meth:`LayerSpec.from_tensor` recognises, without the
-    leading block dimension (whose stride may include padding).
-    """
+    """Shape and strides (in elements) of one block of a cache laid out as ``spec`` says: the
+    layouts :meth:`LayerSpec.from_tensor` recognises, without the leading block dimension."""
     bs, heads, hs = spec.block_size, spec.num_kv_heads, spec.head_size
     if spec.attention == "mla":
         return (bs, hs), (hs, 1)
@@ -84,11 +69,6 @@ def spec_geometry(spec: LayerSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if spec.order == "NHD":
         return (2, bs, heads, hs), (half, heads * hs, hs, 1)
     return (2, bs, heads, hs), (half, hs, bs * hs, 1)
-
-
-def describe_tensor(kv: torch.Tensor) -> str:
-    """``dtype shape (...) strides (...)`` of a tensor, for error messages."""
-    return f"{kv.dtype} shape {tuple(kv.shape)} strides {tuple(kv.stride())}"
 
 
 def _dtype_problem(kv: torch.Tensor, spec: LayerSpec) -> str | None:
@@ -105,33 +85,26 @@ def _dtype_problem(kv: torch.Tensor, spec: LayerSpec) -> str | None:
     )
 
 
-def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
-    """What differs between ``kv`` and the layout ``spec`` describes, or None if nothing.
+# What LayerSpec.from_tensor is told about a tensor; it finds the dtype, packing and order.
+_GIVEN = ("attention", "block_size", "num_kv_heads", "head_size")
+_GIVEN += ("per_token_head_scales", "tokens_per_state")
 
-    ``kv`` matches when :meth:`LayerSpec.from_tensor`, given the spec's
-    attention kind, block size, head count and head size, recognises exactly
-    ``spec`` in it (same dtype, packing and order). The stride of a dimension
-    of size 1 (one head per rank, say) addresses nothing, so it is not compared:
-    a contiguous 1-head cache is both NHD and HND.
-    """
+
+def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
+    """What differs between ``kv`` and the layout ``spec`` describes, or None if nothing:
+    :meth:`LayerSpec.from_tensor`, given the spec's sizes, must recognise exactly ``spec``
+    (dtype, packing, order). The stride of a size-1 dimension addresses nothing and is not
+    compared (a contiguous 1-head cache is both NHD and HND)."""
     shape, strides = spec_geometry(spec)
     view = kv
-    if tuple(kv.shape[1:]) == shape and kv.dim() == len(shape) + 1:
+    if tuple(kv.shape[1:]) == shape:
         # Put the expected stride on size-1 dims: the same elements, unambiguous strides.
         normalized = [kv.stride(0)] + [
             want if size == 1 else got for size, got, want in zip(shape, kv.stride()[1:], strides)
         ]
         view = kv.as_strided(kv.shape, normalized, kv.storage_offset())
     try:
-        found = LayerSpec.from_tensor(
-            view,
-            attention=spec.attention,
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            per_token_head_scales=spec.per_token_head_scales,
-            tokens_per_state=spec.tokens_per_state,
-        )
+        found = LayerSpec.from_tensor(view, **{name: getattr(spec, name) for name in _GIVEN})
     except ValueError:  # a dtype no KV cache is stored in: reported below
         found = None
     if found == spec:
@@ -157,12 +130,8 @@ def spec_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
 
 
 def whole_page_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
-    """What differs between ``kv`` and ``spec``'s page taken whole, or None if nothing.
-
-    The check of an opaque layer (stored whole, read back by the same topology only):
-    ``kv`` must hold ``spec``'s dtype and exactly one page of elements per block,
-    whatever their layout inside the block.
-    """
+    """What differs between ``kv`` and ``spec``'s page taken whole (an opaque layer's
+    check): ``spec``'s dtype and exactly one page per block, whatever the layout inside."""
     dtype_problem = _dtype_problem(kv, spec)
     if dtype_problem is not None:
         return dtype_problem
@@ -179,13 +148,8 @@ def whole_page_mismatch(kv: torch.Tensor, spec: LayerSpec) -> str | None:
 def _check_layer_tensor(
     layer: int, mapping: CanonicalPageMapping, kv: torch.Tensor, spec: LayerSpec | None
 ) -> None:
-    """``kv_caches[layer]`` is the tensor ``mapping`` was derived for (and ``spec``, when given).
-
-    A mapping derived by ``layouts`` carries its page (``mapping.derived_for``): the
-    tensor must be exactly that page's layout (certified mappings) or hold that page
-    whole per block (opaque ones). A hand-built mapping without one is checked for
-    fit in the block stride only, unless ``spec`` describes the tensor.
-    """
+    """``kv_caches[layer]`` is the tensor ``mapping`` was derived for (and ``spec``, when
+    given): see :func:`make_plan`'s ``specs``."""
     name = f"kv_caches[{layer}]"
     block_stride = kv.stride(0) * kv.element_size()
     if mapping.local_page_size_bytes > block_stride:
@@ -193,8 +157,6 @@ def _check_layer_tensor(
             f"mappings[{layer}]: local page of {mapping.local_page_size_bytes} bytes does "
             f"not fit {name}'s block stride of {block_stride} bytes"
         )
-    if spec is not None and not isinstance(spec, LayerSpec):
-        raise TypeError(f"specs[{layer}]: expected a LayerSpec or None, got {type(spec).__name__}")
     derived = mapping.derived_for
     if spec is not None and derived is not None and spec != derived:
         raise ValueError(
@@ -219,8 +181,9 @@ def _check_layer_tensor(
 
 
 def check_layer_lists(kv_caches: Sequence[torch.Tensor], specs=None) -> None:
-    """``kv_caches`` a non-empty sequence (one tensor per layer), ``specs`` (when given)
-    one LayerSpec or None per layer: ValueError naming the argument otherwise."""
+    """``kv_caches`` a non-empty sequence of tensors with a leading block dimension (one per
+    layer), ``specs`` (when given) one LayerSpec or None per layer; else ValueError (TypeError
+    for a spec of another type) naming the argument."""
     if isinstance(kv_caches, torch.Tensor) or not len(kv_caches):
         raise ValueError("kv_caches: expected a non-empty list of tensors, one per layer")
     if specs is not None and (isinstance(specs, (str, LayerSpec)) or len(specs) != len(kv_caches)):
@@ -228,6 +191,17 @@ def check_layer_lists(kv_caches: Sequence[torch.Tensor], specs=None) -> None:
         raise ValueError(
             f"specs: expected one LayerSpec (or None) per layer ({len(kv_caches)}), got {count}"
         )
+    for layer, kv in enumerate(kv_caches):
+        if not isinstance(kv, torch.Tensor) or not 1 <= kv.dim() <= MAX_TENSOR_DIMS:
+            got = f"a {kv.dim()}-D tensor" if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ValueError(
+                f"kv_caches[{layer}]: expected a tensor of 1 to {MAX_TENSOR_DIMS} dims with a "
+                f"leading block dimension, got {got}"
+            )
+    for layer, spec in enumerate(specs or ()):
+        if spec is not None and not isinstance(spec, LayerSpec):
+            got = type(spec).__name__
+            raise TypeError(f"specs[{layer}]: expected a LayerSpec or None, got {got}")
 
 
 def _plan_words(
@@ -277,8 +251,8 @@ def _plan_words(
         (offset, offset + pages_per_row * m.canonical_page_size_bytes, layer)
         for layer, (offset, m) in enumerate(zip(area_offsets, mappings))
     )
-    for (begin, end, layer), nxt in zip(areas, [*areas[1:], None]):
-        if nxt is not None and end > nxt[0] and end > begin and nxt[1] > nxt[0]:
+    for (begin, end, layer), nxt in itertools.pairwise(areas):
+        if end > nxt[0] and end > begin and nxt[1] > nxt[0]:
             raise ValueError(
                 f"area_offsets[{layer}]: its area [{begin}, {end}) overlaps layer {nxt[2]}'s "
                 f"at {nxt[0]}"
@@ -295,15 +269,9 @@ def _plan_words(
     fragment_tables = []
     first = 0
     for layer, (mapping, kv) in enumerate(zip(mappings, kv_caches)):
-        name = f"kv_caches[{layer}]"
-        if not isinstance(kv, torch.Tensor) or not 1 <= kv.dim() <= MAX_TENSOR_DIMS:
-            raise ValueError(
-                f"{name}: expected a tensor of 1 to {MAX_TENSOR_DIMS} dims with a leading "
-                f"block dimension"
-            )
         if kv.device != device:
             raise ValueError(
-                f"{name}: expected a tensor on {device} like kv_caches[0], got {kv.device}"
+                f"kv_caches[{layer}]: expected a tensor on {device} like kv_caches[0], got {kv.device}"
             )
         _check_layer_tensor(layer, mapping, kv, None if specs is None else specs[layer])
         block_stride = kv.stride(0) * kv.element_size()
@@ -311,10 +279,7 @@ def _plan_words(
         tensor_table[layer] = torch.ops.canonical._tensor_record(kv)
         frags = _split(mapping.fragments(), max_fragment_bytes)
         frags = frags[frags[:, 2] > 0]  # a 0-byte page (e.g. an empty opaque layer) moves nothing
-        table = np.empty((frags.shape[0], FRAGMENT_WORDS), dtype=np.int64)
-        table[:, :3] = frags
-        table[:, 3] = layer
-        fragment_tables.append(table)
+        fragment_tables.append(np.column_stack([frags, np.full(len(frags), layer)]))
         layer_table[layer] = (
             block_stride,
             kv.size(0),
@@ -383,58 +348,28 @@ def make_plan(
     max_fragment_bytes: int | None = None,
     specs: Sequence[LayerSpec | None] | None = None,
 ) -> torch.Tensor:
-    """Build the transfer plan of a set of layers, once, on the kv device.
+    """Build the transfer plan of a set of layers, once: an int64 tensor on the kv device.
 
-    Parameters
-    ----------
-    mappings : sequence of CanonicalPageMapping, one per layer (this rank's).
-    kv_caches : sequence of torch.Tensor, one per layer, leading dim = blocks.
-    cpu_pages : torch.Tensor
-        uint8 (num_rows, row_bytes) with contiguous rows; each row holds
-        ``pages_per_row`` canonical pages of every layer.
-    pages_per_row : int
-        Canonical pages of each layer per row (vLLM: blocks per chunk).
-    area_offsets : sequence of int, optional
-        Byte offset of each layer's area within a row; default: consecutive
-        areas of ``pages_per_row * canonical_page_size`` bytes, layer 0 first.
-    max_fragment_bytes : int, optional
-        Split fragments above this size into work items (multiple of 16).
-        Default: 2048 on CUDA (load balance), no split on CPU.
-    specs : sequence of LayerSpec or None, optional
-        What each kv cache tensor is (this rank's page), for mappings that do not
-        carry it. A mapping derived by ``layouts`` carries the page it was derived
-        for (``mapping.derived_for``) and is always checked against it: a spec
-        given here must then be that same page. Where a layer has a page (either
-        way), ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
-        that page (dtype, packing, order, heads, block and head size; an opaque
-        mapping: its dtype and one whole page per block) and the mapping's local
-        page must be the page's size. A hand-built mapping with no spec is checked
-        for fit in the block stride only.
+    ``mappings`` (this rank's) and ``kv_caches`` (leading dim = blocks): one per layer.
+    ``cpu_pages``: uint8 ``(num_rows, row_bytes)``, contiguous rows, each holding
+    ``pages_per_row`` canonical pages of every layer (vLLM: blocks per chunk) at
+    ``area_offsets`` (default: consecutive areas, layer 0 first). ``max_fragment_bytes``
+    (a multiple of 16) splits fragments into work items; default 2048 on CUDA, none on CPU.
 
-    Returns
-    -------
-    torch.Tensor
-        int64 (plan_words,) on the kv device. The plan records each layer's
-        tensor (dtype, shape, strides: hence block stride and count) and the row
-        stride it was built for; the ops refuse other tensors. On CUDA the plan
-        is registered: calls validate against the verified words kept by the
-        extension and the kernel reads the extension's own device copy (editing
-        the returned tensor changes nothing a kernel follows). Keep the plan
-        alive while a CUDA graph that uses it exists.
+    ``specs``: each tensor's page, for mappings that do not carry it. A mapping derived by
+    ``layouts`` carries it (``mapping.derived_for``; a spec given must be that page). Where
+    a layer has a page, ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
+    it (an opaque mapping: its dtype and one whole page per block) and the mapping's local
+    page must be its size; a hand-built mapping with no spec must fit the block stride.
 
-    Raises
-    ------
-    TypeError, ValueError
-        Bad mappings, tensors, specs or geometry (naming the argument).
-    RuntimeError
-        CUDA kv caches but an extension built without CUDA kernels, or a GPU the
-        build has no kernel image for (with the reason).
+    The plan records each tensor (dtype, shape, strides) and the row stride: the ops refuse
+    other tensors. On CUDA it is registered: calls validate against the extension's verified
+    words and the kernel reads its own device copy (editing the tensor changes nothing);
+    keep the plan alive while a CUDA graph using it exists. TypeError / ValueError name the
+    bad argument; RuntimeError: CUDA tensors and no CUDA kernels or no image for the GPU.
     """
-    host = torch.from_numpy(
-        _plan_words(
-            mappings, kv_caches, cpu_pages, pages_per_row, area_offsets, max_fragment_bytes, specs
-        )
-    )
+    args = (mappings, kv_caches, cpu_pages, pages_per_row, area_offsets, max_fragment_bytes, specs)
+    host = torch.from_numpy(_plan_words(*args))
     device = kv_caches[0].device
     check_kernels(device, "kv_caches")
     if device.type == "cpu":

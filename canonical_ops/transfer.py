@@ -1,13 +1,11 @@
 """The job machinery every offload worker shares, and host registration.
 
-:class:`TransferQueue` runs canonical stores / loads as jobs. On CPU a job runs inside
-:meth:`~TransferQueue.submit`. On CUDA it runs on the queue's side stream, ordered after
-the work already queued on the caller's stream (stores read KV the model is still
-writing; loads follow pending writes of their blocks), with host ids checked and staged
-through pooled pinned buffers, one device-error record per kernel in mapped host memory
-(read with plain host loads: finishing a job never waits on the compute stream), pooled
-events, and the tensors the kernels read kept alive until the job completed.
-:func:`register_host_memory` page-locks host memory the kernels address directly.
+:class:`TransferQueue` runs canonical stores / loads as jobs: on CPU inside ``submit``; on
+CUDA on its side stream after the work already queued on the caller's stream, with host ids
+checked and staged through pooled pinned buffers, one device-error record per kernel in
+mapped host memory (finishing never waits on the compute stream), pooled events, and the
+kernels' tensors kept alive until the job completed. :func:`register_host_memory` page-locks
+host memory the kernels address directly.
 """
 
 from __future__ import annotations
@@ -22,17 +20,9 @@ import torch
 from .checks import check_ids, check_int
 from .ops import ERROR_RECORD_WORDS, CanonicalTransferError, check_unique_ids, transfer_error
 
-__all__ = [
-    "HOST_REGISTER_PORTABLE_MAPPED",
-    "CudaJobPools",
-    "ErrorRecords",
-    "HostRegistrationError",
-    "PlanCall",
-    "QueuedTransfer",
-    "TransferQueue",
-    "register_host_memory",
-    "unregister_host_memory",
-]
+__all__ = ["HOST_REGISTER_PORTABLE_MAPPED", "CudaJobPools", "ErrorRecords", "PlanCall"]
+__all__ += ["HostRegistrationError", "register_host_memory", "unregister_host_memory"]
+__all__ += ["QueuedTransfer", "TransferQueue"]
 
 # cudaHostRegister flags: portable (every context) | mapped (a device address for it).
 HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
@@ -54,14 +44,10 @@ def register_host_memory(
     cudart=None,
     flags: int = HOST_REGISTER_PORTABLE_MAPPED,
 ) -> list[int]:
-    """Register ``[base, base + size)`` with CUDA in pieces of at most ``chunk_bytes``.
-
-    The driver caps what one call may register, hence pieces. ``cudart``: default
-    ``torch.cuda.cudart()`` (torch's runtime, on torch's current device). Returns the
-    pieces' addresses (for :func:`unregister_host_memory`). A failing piece rolls back
-    the others and raises :class:`HostRegistrationError`: the caller decides whether
-    that is fatal or has a fallback.
-    """
+    """Register ``[base, base + size)`` with CUDA in pieces of at most ``chunk_bytes`` (the
+    driver caps one call) through ``cudart`` (default torch's, on its current device); returns
+    the pieces' addresses. A failing piece rolls back the others and raises
+    :class:`HostRegistrationError`: the caller decides whether that is fatal."""
     chunk_bytes = check_int("chunk_bytes", chunk_bytes, minimum=1)
     size = check_int("size", size, minimum=0)
     cudart = torch.cuda.cudart() if cudart is None else cudart
@@ -71,10 +57,7 @@ def register_host_memory(
         error = cudart.cudaHostRegister(base + offset, piece, flags)
         if _status(error) != 0:
             text = cudart.cudaGetErrorString(error)
-            try:
-                unregister_host_memory(registered, cudart=cudart)
-            finally:
-                registered.clear()
+            unregister_host_memory(registered, cudart=cudart)
             raise HostRegistrationError(
                 f"cudaHostRegister of {piece} bytes at offset {offset} of {size} failed: "
                 f"{text} ({_status(error)}); nothing stays registered. Check the memlock "
@@ -100,13 +83,10 @@ def unregister_host_memory(addresses: Sequence[int], *, cudart=None) -> None:
 
 
 class ErrorRecords:
-    """A pool of per-kernel device-error records in pinned host memory, which the kernel
-    writes through its mapping (``torch.ops.canonical._canonical_store_reporting``).
-
-    :meth:`release` reads a record with host loads once its job's event completed (no
-    CUDA call). Records are never moved or freed while the pool lives: a kernel may hold
-    their address. ``chunk``: records allocated at a time; ``pin=False`` for CPU tests.
-    """
+    """A pool of per-kernel device-error records in pinned host memory, which the reporting
+    kernels write through its mapping; :meth:`release` reads one with host loads once its
+    job completed. Never moved or freed while the pool lives (a kernel may hold their
+    address). ``chunk``: records allocated at a time; ``pin=False`` for CPU tests."""
 
     def __init__(self, chunk: int = 64, *, pin: bool = True) -> None:
         self._chunk = check_int("chunk", chunk, minimum=1)
@@ -117,9 +97,8 @@ class ErrorRecords:
     def acquire(self) -> torch.Tensor:
         """A zeroed record: an int64 (ERROR_RECORD_WORDS,) view of a pinned chunk."""
         if not self._free:
-            chunk = torch.zeros(
-                self._chunk, ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=self._pin
-            )
+            shape = (self._chunk, ERROR_RECORD_WORDS)
+            chunk = torch.zeros(shape, dtype=torch.int64, pin_memory=self._pin)
             self._chunks.append(chunk)
             self._free.extend(reversed(chunk.unbind(0)))
         return self._free.pop()
@@ -139,11 +118,9 @@ class ErrorRecords:
 
 
 class CudaJobPools:
-    """Reusable per-job CUDA resources: events, pinned id staging and error records.
-
-    Taken at submission, given back once the job's event completed, so a steady stream
-    of jobs allocates nothing. ``timing``: events record time; ``pin=False`` for tests.
-    """
+    """Reusable per-job CUDA resources (events, pinned id staging, error records): taken at
+    submission, given back once the job completed, so a steady stream of jobs allocates
+    nothing. ``timing``: events record time; ``pin=False`` for tests."""
 
     def __init__(self, *, timing: bool = False, pin: bool = True) -> None:
         self.timing = bool(timing)
@@ -162,10 +139,9 @@ class CudaJobPools:
     def staging(self, count: int) -> torch.Tensor:
         """Pinned int64 (capacity,) with capacity >= ``count`` (a power of two, >= 128)."""
         capacity = max(128, 1 << max(0, int(count) - 1).bit_length())
-        free = self._staging.setdefault(capacity, [])
-        return (
-            free.pop() if free else torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
-        )
+        if free := self._staging.setdefault(capacity, []):
+            return free.pop()
+        return torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
 
     def release_staging(self, buffer: torch.Tensor) -> None:
         self._staging.setdefault(buffer.numel(), []).append(buffer)
@@ -217,13 +193,14 @@ def _host_array(ids: np.ndarray | torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids)
 
 
-class TransferQueue:
-    """Canonical store / load jobs of one worker direction.
+def _host_tensor(ids: np.ndarray | torch.Tensor) -> torch.Tensor:
+    return ids.cpu() if isinstance(ids, torch.Tensor) else torch.from_numpy(ids)
 
-    ``cpu_pages``: the uint8 (rows, row_bytes) tensor every plan addresses, with
-    ``pages_per_row`` canonical pages of each layer per row (to range-check host ids).
-    ``timing``: CUDA jobs measure their device time (start and end events).
-    """
+
+class TransferQueue:
+    """Canonical store / load jobs of one worker direction. ``cpu_pages``: the uint8 (rows,
+    row_bytes) tensor every plan addresses, ``pages_per_row`` canonical pages of each layer
+    per row (to range-check host ids); ``timing``: CUDA jobs measure their device time."""
 
     def __init__(
         self,
@@ -254,19 +231,13 @@ class TransferQueue:
             if call.plans  # a call without plans moves nothing
         ]
         if self.stream is None:
-            op = (
-                torch.ops.canonical.canonical_store if store else torch.ops.canonical.canonical_load
-            )
+            ops = torch.ops.canonical
+            op = ops.canonical_store if store else ops.canonical_load
             for call in calls:
-                blocks, pages = (
-                    ids.cpu() if isinstance(ids, torch.Tensor) else torch.from_numpy(ids)
-                    for ids in (call.block_ids, call.page_ids)
-                )
+                blocks, pages = map(_host_tensor, (call.block_ids, call.page_ids))
                 for kv_caches, plan in call.plans:
                     op(list(kv_caches), self.cpu_pages, plan, blocks, pages)
-            job.finished = time.perf_counter()
-            job.seconds = job.finished - job.started
-            return job
+            return self.finish(job)
         prepared = [self._host_ids(store, call) for call in calls]  # all checked first
         self._launch(job, store, calls, prepared)
         return job
@@ -302,35 +273,24 @@ class TransferQueue:
     def _device_ids(self, ids: np.ndarray | torch.Tensor) -> torch.Tensor:
         if isinstance(ids, torch.Tensor) and ids.device == self.device:
             return ids
-        host = ids.cpu() if isinstance(ids, torch.Tensor) else torch.from_numpy(ids)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return _host_tensor(ids).pin_memory().to(self.device, non_blocking=True)
 
     def _launch(self, job: QueuedTransfer, store: bool, calls, prepared) -> None:
-        pools, stream = self.pools, self.stream
-        reporting = (
-            torch.ops.canonical._canonical_store_reporting
-            if store
-            else torch.ops.canonical._canonical_load_reporting
-        )
-        staged = []
-        for host in prepared:
-            buffer = None
-            if host is not None:  # one pinned buffer, one H2D copy for both id arrays
-                count = len(host[0])
-                buffer = pools.staging(2 * count)
-                buffer[:count] = torch.from_numpy(host[0])
-                buffer[count : 2 * count] = torch.from_numpy(host[1])
-                job._staging.append(buffer)
-            staged.append(buffer)
+        pools, stream, ops = self.pools, self.stream, torch.ops.canonical
+        reporting = ops._canonical_store_reporting if store else ops._canonical_load_reporting
         keep = []
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             if pools.timing:
                 job._start = pools.event()
                 job._start.record(stream)
-            for call, host, buffer in zip(calls, prepared, staged):
-                if buffer is not None:
+            for call, host in zip(calls, prepared):
+                if host is not None:  # one pinned buffer, one H2D copy for both id arrays
                     count = len(host[0])
+                    buffer = pools.staging(2 * count)
+                    buffer[:count] = torch.from_numpy(host[0])
+                    buffer[count : 2 * count] = torch.from_numpy(host[1])
+                    job._staging.append(buffer)
                     ids = buffer[: 2 * count].to(self.device, non_blocking=True)
                     blocks, pages = ids[:count], ids[count:]
                 else:
@@ -343,8 +303,7 @@ class TransferQueue:
                     except BaseException:
                         pools.errors.release(record)  # refused before launch: never handed out
                         raise
-                    host_blocks, host_pages = host if host is not None else (None, None)
-                    job._records.append((record, host_blocks, host_pages))
+                    job._records.append((record, *(host or (None, None))))
             job._end = pools.event()
             job._end.record(stream)
         job._keep_alive = tuple(keep)  # device ids must outlive the kernels

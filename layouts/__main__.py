@@ -15,7 +15,7 @@ import textwrap
 
 from .cli import CliParser, int_in, lower, run_console, upper
 from .explain import explain
-from .spec import ATTENTION_KINDS, ORDERS, PACKINGS, LayerSpec, dtype_name
+from .spec import ATTENTION_KINDS, ORDERS, PACKINGS, LayerSpec, RankContext, dtype_name
 
 MAX_RANKS = 1024  # TP x PCP: more ranks than any deployment, and explained in ~1 s
 MAX_FRAGMENTS = 1 << 18  # copy fragments of all ranks (~3 s to derive and verify)
@@ -67,81 +67,48 @@ def build_parser() -> tuple[CliParser, CliParser]:
             width=88,
         ),
     )
-    p.add_argument(
-        "--attention",
-        type=lower,
-        choices=ATTENTION_KINDS,
-        default="full",
-        help="full attention (K and V per head) or MLA (one latent per token)",
-    )
-    bounded = [  # (flag, maximum, default, help): integers in [1, maximum]
-        (
-            "--total-kv-heads",
-            MAX_HEADS,
-            None,
-            "KV heads (default: 8 for full attention, 1 for MLA)",
-        ),
-        ("--head-size", MAX_HEAD_SIZE, 128, "elements per head / latent width"),
-        ("--block-size", MAX_BLOCK_SIZE, 16, "tokens per block on each rank"),
-    ]
-    for flag, maximum, default, text in bounded:
-        p.add_argument(flag, type=int_in(1, maximum), default=default, help=text)
-    p.add_argument(
-        "--dtype",
-        type=dtype_arg,
-        default="bfloat16",
-        help="KV cache dtype (float32, float16, bfloat16, float8_e4m3fn, ..., or bf16, fp8, ...)",
-    )
+
+    def bounded(flag: str, maximum: int, default: int | None, text: str, minimum: int = 1):
+        p.add_argument(flag, type=int_in(minimum, maximum), default=default, help=text)
+
+    kinds = "full attention (K and V per head) or MLA (one latent per token)"
+    p.add_argument("--attention", type=lower, choices=ATTENTION_KINDS, default="full", help=kinds)
+    total = "KV heads (default: 8 for full attention, 1 for MLA)"
+    bounded("--total-kv-heads", MAX_HEADS, None, total)
+    bounded("--head-size", MAX_HEAD_SIZE, 128, "elements per head / latent width")
+    bounded("--block-size", MAX_BLOCK_SIZE, 16, "tokens per block on each rank")
+    dtypes = "KV cache dtype (float32, float16, bfloat16, float8_e4m3fn, ..., or bf16, fp8, ...)"
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help=dtypes)
     p.add_argument("--packing", type=lower, choices=PACKINGS, default="packed", help="page packing")
     p.add_argument("--order", type=upper, choices=ORDERS, default="NHD", help="stride order")
-    bounded = [
-        ("--tp", MAX_RANKS, 1, "tensor parallel size"),
-        ("--dcp", MAX_RANKS, 1, "decode context parallel size"),
-        ("--pcp", MAX_RANKS, 1, "prefill context parallel size"),
-        ("--interleave", MAX_BLOCK_SIZE, 1, "tokens per context-parallel chunk"),
-        (
-            "--heads-per-rank",
-            MAX_HEADS,
-            None,
-            "override (default: max(1, total // tp)); a wrong value fails closed",
-        ),
-    ]
-    for flag, maximum, default, text in bounded:
-        p.add_argument(flag, type=int_in(1, maximum), default=default, help=text)
-    p.add_argument(
-        "--per-token-head-scales",
-        action="store_true",
-        help="quantised with per-(token, head) scales (never certified)",
-    )
-    p.add_argument(
-        "--page-id",
-        type=int_in(0, (1 << 63) - 1),
-        default=0,
-        help="which page (writer rotation)",
-    )
-    p.add_argument("--width", type=int_in(1, MAX_WIDTH), default=64, help="columns of the picture")
+    bounded("--tp", MAX_RANKS, 1, "tensor parallel size")
+    bounded("--dcp", MAX_RANKS, 1, "decode context parallel size")
+    bounded("--pcp", MAX_RANKS, 1, "prefill context parallel size")
+    bounded("--interleave", MAX_BLOCK_SIZE, 1, "tokens per context-parallel chunk")
+    override = "override (default: max(1, total // tp)); a wrong value fails closed"
+    bounded("--heads-per-rank", MAX_HEADS, None, override)
+    scales = "quantised with per-(token, head) scales (never certified)"
+    p.add_argument("--per-token-head-scales", action="store_true", help=scales)
+    bounded("--page-id", (1 << 63) - 1, 0, "which page (writer rotation)", minimum=0)
+    bounded("--width", MAX_WIDTH, 64, "columns of the picture")
     return parser, p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, explain_parser = build_parser()
     args = parser.parse_args(argv)
-
-    if args.attention == "mla":
-        if args.total_kv_heads not in (None, 1):
-            explain_parser.fail(
-                f"argument --total-kv-heads: MLA has one latent (1 KV head), got "
-                f"{args.total_kv_heads}"
-            )
-        total = 1
-    else:
-        total = 8 if args.total_kv_heads is None else args.total_kv_heads
+    mla = args.attention == "mla"
+    if mla and args.total_kv_heads not in (None, 1):
+        explain_parser.fail(
+            f"argument --total-kv-heads: MLA has one latent (1 KV head), got {args.total_kv_heads}"
+        )
+    total = 1 if mla else 8 if args.total_kv_heads is None else args.total_kv_heads
     ranks = args.tp * args.pcp
     if ranks > MAX_RANKS:
         explain_parser.fail(
             f"--tp {args.tp} x --pcp {args.pcp} = {ranks} ranks; at most {MAX_RANKS} are explained"
         )
-    heads = args.heads_per_rank or (1 if args.attention == "mla" else max(1, total // args.tp))
+    heads = args.heads_per_rank or (1 if mla else max(1, total // args.tp))
     fragments = estimated_fragments(args, heads)
     if fragments > MAX_FRAGMENTS:
         explain_parser.fail(
@@ -149,24 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             f"(at most {MAX_FRAGMENTS} are explained): use fewer ranks, a smaller "
             f"--block-size or a larger --interleave"
         )
+    fields = ("attention", "block_size", "head_size", "dtype", "packing", "order")
     try:
         spec = LayerSpec(
-            args.attention,
-            args.block_size,
-            heads,
-            args.head_size,
-            args.dtype,
-            args.packing,
-            args.order,
+            num_kv_heads=heads,
             per_token_head_scales=args.per_token_head_scales,
+            **{name: getattr(args, name) for name in fields},
         )
-        ctx = dict(
-            tp_size=args.tp,
-            total_kv_heads=total,
-            dcp_size=args.dcp,
-            pcp_size=args.pcp,
-            interleave=args.interleave,
-        )
+        ctx = RankContext(args.tp, total, 0, args.dcp, args.pcp, args.interleave)
         text = explain(spec, ctx, page_id=args.page_id, width=args.width)
     except ValueError as error:  # LayerSpec / RankContext / TilingError: one line
         explain_parser.fail(str(error))

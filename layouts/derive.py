@@ -13,7 +13,7 @@ mapping would silently hand a reader another rank's bytes, which is not.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import lru_cache
 
 from .mapping import CanonicalPageMapping, CopyRun, coalesce_runs
@@ -49,96 +49,67 @@ def canonical_format_id(order: str) -> str:
     return f"v{CANONICAL_FORMAT_VERSION}-{family}"
 
 
-@dataclass(frozen=True)
-class _TokenRegion:
-    """A byte region of the page that repeats once per token."""
+def _place_tokens(regions: list[CopyRun], ctx: RankContext) -> tuple[CopyRun, ...]:
+    """Runs putting each region (one row per token of the block) at its canonical tokens.
 
-    local_offset: int
-    canonical_offset: int
-    bytes_per_token: int
-    canonical_token_stride: int
-
-
-def _place_tokens(
-    regions: list[_TokenRegion], num_tokens: int, ctx: RankContext
-) -> tuple[CopyRun, ...]:
-    """Runs putting each region's per-token rows at their canonical token positions.
-
-    Without context parallelism a region is one strided run over all tokens;
-    with it, one run per chunk of ``interleave`` tokens, since consecutive
-    chunks of this rank sit ``cp_size`` chunks apart canonically.
+    Without context parallelism a region is its own run; with it, one run per chunk of
+    ``interleave`` tokens, since consecutive chunks of this rank sit ``cp_size`` chunks
+    apart canonically.
     """
-    runs: list[CopyRun] = []
-    for region in regions:
-        if ctx.cp_size == 1:
-            starts = [(0, 0)]
-            count = num_tokens
-        else:
-            starts = [
-                (first, ctx.canonical_token(first))
-                for first in range(0, num_tokens, ctx.interleave)
-            ]
-            count = ctx.interleave
-        for local_token, canonical_token in starts:
-            runs.append(
-                CopyRun(
-                    local_offset=region.local_offset + local_token * region.bytes_per_token,
-                    canonical_offset=region.canonical_offset
-                    + canonical_token * region.canonical_token_stride,
-                    fragment_size=region.bytes_per_token,
-                    num_fragments=count,
-                    local_stride=region.bytes_per_token,
-                    canonical_stride=region.canonical_token_stride,
-                )
+    if ctx.cp_size > 1:
+        regions = [
+            CopyRun(  # the same run over the chunk's tokens from its first one
+                local_offset=run.local_offset + first * run.local_stride,
+                canonical_offset=run.canonical_offset
+                + ctx.canonical_token(first) * run.canonical_stride,
+                fragment_size=run.fragment_size,
+                num_fragments=ctx.interleave,
+                local_stride=run.local_stride,
+                canonical_stride=run.canonical_stride,
             )
-    return coalesce_runs(runs)
+            for run in regions
+            for first in range(0, run.num_fragments, ctx.interleave)
+        ]
+    return coalesce_runs(regions)
 
 
 def _attention_regions(
     spec: LayerSpec, head_shard: int, num_head_shards: int, cp_size: int
-) -> list[_TokenRegion]:
-    """Per-token byte regions of a full-attention page holding head shard ``head_shard``."""
-    bs, heads, elem = spec.block_size, spec.num_kv_heads, spec.element_size
+) -> list[CopyRun]:
+    """Per-token rows of a full-attention page holding head shard ``head_shard``.
+
+    A packed page is one half holding K and V of each (token, head) together; a split page
+    is two halves, K then V. NHD: one region per half (a token's heads are adjacent);
+    HND: one per (half, head), each head's tokens contiguous in the canonical page.
+    """
+    bs, heads, shards = spec.block_size, spec.num_kv_heads, num_head_shards
+    halves = 1 if spec.packing == "packed" else 2
+    head_bytes = 2 // halves * spec.head_size * spec.element_size  # a (token, head)'s half
     canonical_tokens = bs * cp_size  # tokens of one canonical page
-    if spec.packing == "packed":
-        head_bytes = 2 * spec.head_size * elem  # K and V of one (token, head)
-        if spec.order == "NHD":
-            row = heads * head_bytes
-            return [_TokenRegion(0, head_shard * row, row, num_head_shards * row)]
-        return [
-            _TokenRegion(
-                local_offset=head * bs * head_bytes,
-                canonical_offset=(head_shard * heads + head) * canonical_tokens * head_bytes,
-                bytes_per_token=head_bytes,
-                canonical_token_stride=head_bytes,
-            )
-            for head in range(heads)
-        ]
-    head_bytes = spec.head_size * elem  # K or V of one (token, head)
-    local_half = bs * heads * head_bytes
     if spec.order == "NHD":
         row = heads * head_bytes
-        canonical_half = canonical_tokens * num_head_shards * row
         return [
-            _TokenRegion(
-                local_offset=half * local_half,
-                canonical_offset=half * canonical_half + head_shard * row,
-                bytes_per_token=row,
-                canonical_token_stride=num_head_shards * row,
+            CopyRun(
+                local_offset=half * bs * row,
+                canonical_offset=(half * canonical_tokens * shards + head_shard) * row,
+                fragment_size=row,
+                num_fragments=bs,
+                local_stride=row,
+                canonical_stride=shards * row,
             )
-            for half in range(2)  # K, then V
+            for half in range(halves)
         ]
-    total_heads = num_head_shards * heads
+    head_span = canonical_tokens * head_bytes  # a head's rows in the canonical page
     return [
-        _TokenRegion(
-            local_offset=half * local_half + head * bs * head_bytes,
-            canonical_offset=(half * total_heads + head_shard * heads + head)
-            * canonical_tokens
-            * head_bytes,
-            bytes_per_token=head_bytes,
-            canonical_token_stride=head_bytes,
+        CopyRun(
+            local_offset=(half * heads + head) * bs * head_bytes,
+            canonical_offset=((half * shards + head_shard) * heads + head) * head_span,
+            fragment_size=head_bytes,
+            num_fragments=bs,
+            local_stride=head_bytes,
+            canonical_stride=head_bytes,
         )
-        for half in range(2)
+        for half in range(halves)
         for head in range(heads)
     ]
 
@@ -147,7 +118,7 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
     """The certified mapping, or the reason the layer cannot be certified."""
     if spec is None:
         return "unrecognised physical layout (LayerSpec.from_tensor returned None)"
-    bs = spec.block_size
+    bs, tp, total = spec.block_size, ctx.tp_size, ctx.total_kv_heads
     if ctx.cp_size > 1 and (ctx.interleave > bs or bs % ctx.interleave):
         return (
             f"interleave={ctx.interleave} must divide block_size={bs} "
@@ -161,46 +132,32 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
     if spec.tokens_per_state != 1:
         return f"tokens_per_state={spec.tokens_per_state} (only 1 is certified)"
     page = spec.page_size_bytes
-
-    if spec.attention == "mla":
-        # The latent is replicated over TP; CP splits its tokens across DCP groups.
-        if ctx.tp_size % ctx.dcp_size:
-            return f"dcp_size={ctx.dcp_size} does not divide tp_size={ctx.tp_size} for MLA"
-        row = page // bs
-        return CanonicalPageMapping(
-            canonical_page_size_bytes=ctx.cp_size * page,
-            local_page_size_bytes=page,
-            runs=_place_tokens([_TokenRegion(0, 0, row, row)], bs, ctx),
-            num_writers=ctx.tp_size // ctx.dcp_size,
-            writer_index=ctx.tp_rank // ctx.dcp_size,
-            parallelism_agnostic=ctx.cp_size == 1,
-            derived_for=spec,
-        )
-
-    total, tp = ctx.total_kv_heads, ctx.tp_size
-    expected_heads = max(1, total // tp)
-    if spec.num_kv_heads != expected_heads:
-        return (
-            f"num_kv_heads={spec.num_kv_heads} but {total} KV heads over tp_size={tp} "
-            f"gives {expected_heads} per rank"
-        )
-    if total >= tp:
-        if total % tp:
-            return f"tp_size={tp} does not divide total_kv_heads={total}"
-        num_head_shards, replication = tp, 1
+    if spec.attention == "mla":  # the latent is replicated over TP
+        num_head_shards, replication, held = 1, tp, f"tp_size={tp} for MLA"
+        regions = [CopyRun(0, 0, page // bs, bs, page // bs, page // bs)]
     else:
-        if tp % total:
+        expected_heads = max(1, total // tp)
+        if spec.num_kv_heads != expected_heads:
+            return (
+                f"num_kv_heads={spec.num_kv_heads} but {total} KV heads over tp_size={tp} "
+                f"gives {expected_heads} per rank"
+            )
+        if total >= tp and total % tp:
+            return f"tp_size={tp} does not divide total_kv_heads={total}"
+        if total < tp and tp % total:
             return f"total_kv_heads={total} does not divide tp_size={tp} (replicated heads)"
-        num_head_shards, replication = total, tp // total
-    # DCP splits tokens among the ranks that hold the same (replicated) heads.
+        # TP shards the heads; past one head per rank, each head is replicated tp/total times.
+        num_head_shards, replication = min(total, tp), max(1, tp // total)
+        held = f"the head replication {replication}"
+        head_shard = ctx.tp_rank // replication
+        regions = _attention_regions(spec, head_shard, num_head_shards, ctx.cp_size)
+    # DCP splits tokens among the ranks that hold the same (replicated) heads or latent.
     if replication % ctx.dcp_size:
-        return f"dcp_size={ctx.dcp_size} does not divide the head replication {replication}"
-    head_shard = ctx.tp_rank // replication
-    regions = _attention_regions(spec, head_shard, num_head_shards, ctx.cp_size)
+        return f"dcp_size={ctx.dcp_size} does not divide {held}"
     return CanonicalPageMapping(
         canonical_page_size_bytes=ctx.cp_size * num_head_shards * page,
         local_page_size_bytes=page,
-        runs=_place_tokens(regions, bs, ctx),
+        runs=_place_tokens(regions, ctx),
         num_writers=replication // ctx.dcp_size,
         writer_index=(ctx.tp_rank % replication) // ctx.dcp_size,
         parallelism_agnostic=ctx.cp_size == 1,
@@ -209,14 +166,8 @@ def _derive(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | 
 
 
 def derive_layer_mapping(spec: LayerSpec | None, ctx: RankContext) -> CanonicalPageMapping | None:
-    """Certified canonical mapping of one layer at one rank.
-
-    Returns
-    -------
-    CanonicalPageMapping | None
-        None when the layer cannot be certified (fail closed); the reason is
-        available from :func:`certification_failure`.
-    """
+    """Certified canonical mapping of one layer at one rank, or None when it cannot be
+    certified (fail closed; :func:`certification_failure` says why)."""
     result = _derive(spec, ctx)
     return None if isinstance(result, str) else result
 
@@ -267,6 +218,18 @@ def opaque_fallback_mapping(
     )
 
 
+def opaque_group(
+    page_size_bytes: int, num_ranks: int, reason: str, spec: LayerSpec | None = None
+) -> tuple[CanonicalPageMapping, ...]:
+    """:func:`opaque_fallback_mapping` of every rank of a group, indexed by rank."""
+    return tuple(
+        opaque_fallback_mapping(
+            page_size_bytes, num_ranks, r, derived_for=spec, fallback_reason=reason
+        )
+        for r in range(num_ranks)
+    )
+
+
 def derive_group_mappings(
     spec: LayerSpec,
     tp_size: int,
@@ -277,56 +240,39 @@ def derive_group_mappings(
     *,
     layer_name: str = "<layer>",
 ) -> tuple[CanonicalPageMapping, ...]:
-    """Mappings of one layer for every rank of a ``tp_size * pcp_size`` group, verified.
+    """Mappings of one layer for every rank of a ``tp_size * pcp_size`` group, verified,
+    indexed by rank (``pcp_rank * tp_size + tp_rank``).
 
     Every rank certifies, or every rank gets :func:`opaque_fallback_mapping`
     (mixing the two would tile nothing). The result is checked by
     :func:`verify_tiling`, which raises ``TilingError`` naming ``layer_name``.
     Results are cached per (spec, topology): a model's identical layers cost
     one derivation.
-
-    Returns
-    -------
-    tuple[CanonicalPageMapping, ...]
-        Indexed by rank (``pcp_rank * tp_size + tp_rank``).
     """
+    ctx = RankContext(tp_size, total_kv_heads, 0, dcp_size, pcp_size, interleave)
+    return _group_mappings(spec, ctx, layer_name)
+
+
+def _group_mappings(
+    spec: LayerSpec, ctx: RankContext, layer_name: str
+) -> tuple[CanonicalPageMapping, ...]:
+    """:func:`derive_group_mappings` for the group of ``ctx`` (any of its ranks)."""
     if not isinstance(spec, LayerSpec):
         raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
     try:
-        return _verified_group_mappings(
-            spec, tp_size, total_kv_heads, dcp_size, pcp_size, interleave
-        )
+        return _verified_group_mappings(spec, replace(ctx, rank=0))
     except TilingError as error:
         raise TilingError(layer_name, error.detail) from None
 
 
 @lru_cache(maxsize=1024)
-def _verified_group_mappings(
-    spec: LayerSpec,
-    tp_size: int,
-    total_kv_heads: int,
-    dcp_size: int,
-    pcp_size: int,
-    interleave: int,
-) -> tuple[CanonicalPageMapping, ...]:
-    contexts = [
-        RankContext(tp_size, total_kv_heads, rank, dcp_size, pcp_size, interleave)
-        for rank in range(tp_size * pcp_size)
-    ]
-    derived = [_derive(spec, ctx) for ctx in contexts]
+def _verified_group_mappings(spec: LayerSpec, ctx: RankContext) -> tuple[CanonicalPageMapping, ...]:
+    derived = [_derive(spec, replace(ctx, rank=rank)) for rank in range(ctx.group_size)]
     reason = next((result for result in derived if isinstance(result, str)), None)
-    if reason is not None:
-        derived = [
-            opaque_fallback_mapping(
-                spec.page_size_bytes,
-                len(contexts),
-                ctx.rank,
-                derived_for=spec,
-                fallback_reason=reason,
-            )
-            for ctx in contexts
-        ]
-    mappings = tuple(derived)
+    if reason is None:
+        mappings = tuple(derived)
+    else:
+        mappings = opaque_group(spec.page_size_bytes, ctx.group_size, reason, spec)
     verify_tiling(mappings)  # a failure is not cached: lru_cache stores only returns
     return mappings
 
@@ -346,28 +292,12 @@ def group_layer_mappings(
     """
     out = []
     for layer, spec in enumerate(specs):
-        if spec is None:
-            if fallback_page_sizes is None:
-                raise ValueError(f"specs[{layer}]: None needs fallback_page_sizes[{layer}]")
-            page, ranks = int(fallback_page_sizes[layer]), ctx.group_size
+        if spec is not None:
+            name = layer_names[layer] if layer_names else f"layer {layer}"
+            out.append(_group_mappings(spec, ctx, name))
+        elif fallback_page_sizes is None:
+            raise ValueError(f"specs[{layer}]: None needs fallback_page_sizes[{layer}]")
+        else:
             reason = certification_failure(None, ctx)
-            out.append(
-                tuple(
-                    opaque_fallback_mapping(page, ranks, r, fallback_reason=reason)
-                    for r in range(ranks)
-                )
-            )
-            continue
-        name = layer_names[layer] if layer_names else f"layer {layer}"
-        out.append(
-            derive_group_mappings(
-                spec,
-                ctx.tp_size,
-                ctx.total_kv_heads,
-                ctx.dcp_size,
-                ctx.pcp_size,
-                ctx.interleave,
-                layer_name=name,
-            )
-        )
+            out.append(opaque_group(int(fallback_page_sizes[layer]), ctx.group_size, reason))
     return out

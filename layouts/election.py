@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .mapping import CanonicalPageMapping
+from .spec import is_int
 
 __all__ = ["RankShare", "WriterElection"]
 
@@ -117,7 +118,7 @@ class WriterElection:
 
     def share(self, rank: int) -> RankShare:
         """Rank ``rank``'s :class:`RankShare` of these layers."""
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        if not is_int(rank):
             raise TypeError(f"rank: expected an int, got {type(rank).__name__}")
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank: expected an int in [0, {self.num_ranks - 1}], got {rank}")

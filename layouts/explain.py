@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .derive import canonical_format_id, certification_failure
+from .derive import _group_mappings, canonical_format_id, certification_failure
 from .mapping import CanonicalPageMapping
 from .spec import LayerSpec, RankContext
 
@@ -82,20 +82,17 @@ def picture(mappings: Sequence[CanonicalPageMapping], page_id: int = 0, width: i
     return "\n".join(lines)
 
 
-def explain(spec: LayerSpec, ctx_args: dict, page_id: int = 0, width: int = 64) -> str:
+def explain(spec: LayerSpec, ctx: RankContext, page_id: int = 0, width: int = 64) -> str:
     """Full report: topology, page sizes, certification, writer rotation, picture, format id."""
-    from .derive import derive_group_mappings
-
-    tp, pcp = ctx_args["tp_size"], ctx_args["pcp_size"]
-    mappings = derive_group_mappings(spec, **ctx_args)
-    reason = certification_failure(spec, RankContext(rank=0, **ctx_args))
+    mappings = _group_mappings(spec, ctx, "<layer>")
+    reason = certification_failure(spec, ctx)
     out = [
         f"layer: {spec.attention} attention, {spec.packing} {spec.order}, {spec.dtype}, "
         f"block_size {spec.block_size}, {spec.num_kv_heads} KV head(s) per rank of "
         f"{spec.head_size} elements",
-        f"topology: TP={tp} DCP={ctx_args['dcp_size']} PCP={pcp} "
-        f"interleave={ctx_args['interleave']} ({tp * pcp} ranks), "
-        f"{ctx_args['total_kv_heads']} KV heads in total",
+        f"topology: TP={ctx.tp_size} DCP={ctx.dcp_size} PCP={ctx.pcp_size} "
+        f"interleave={ctx.interleave} ({ctx.group_size} ranks), "
+        f"{ctx.total_kv_heads} KV heads in total",
         f"format id: {canonical_format_id(spec.order)}",
         f"local page: {mappings[0].local_page_size_bytes} B per rank; canonical page: "
         f"{mappings[0].canonical_page_size_bytes} B",

@@ -11,8 +11,9 @@ that agree on them write the same bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,16 +41,8 @@ class CopyRun:
     local_stride: int
     canonical_stride: int
 
-    def local_starts(self) -> np.ndarray:
-        """int64 array (num_fragments,) of fragment starts in the local page."""
-        return self.local_offset + np.arange(self.num_fragments, dtype=np.int64) * self.local_stride
 
-    def canonical_starts(self) -> np.ndarray:
-        """int64 array (num_fragments,) of fragment starts in the canonical page."""
-        return (
-            self.canonical_offset
-            + np.arange(self.num_fragments, dtype=np.int64) * self.canonical_stride
-        )
+_run_fields = attrgetter(*(f.name for f in fields(CopyRun)))  # a run as a tuple, field order
 
 
 @dataclass(frozen=True)
@@ -110,20 +103,7 @@ class CanonicalPageMapping:
     @cached_property
     def _fragments(self) -> np.ndarray:
         # Expand every run at once: fragment j of a run sits j strides from its offset.
-        fields = np.array(
-            [
-                (
-                    r.local_offset,
-                    r.canonical_offset,
-                    r.fragment_size,
-                    r.num_fragments,
-                    r.local_stride,
-                    r.canonical_stride,
-                )
-                for r in self.runs
-            ],
-            dtype=np.int64,
-        ).reshape(-1, 6)
+        fields = np.array([_run_fields(r) for r in self.runs], dtype=np.int64).reshape(-1, 6)
         counts = fields[:, 3]
         per_frag = np.repeat(fields, counts, axis=0)
         first = np.repeat(np.cumsum(counts) - counts, counts)
@@ -137,11 +117,8 @@ class CanonicalPageMapping:
         joins = (local[1:] == local[:-1] + size[:-1]) & (
             canonical[1:] == canonical[:-1] + size[:-1]
         )
-        heads = np.concatenate(([True], ~joins)) if local.size else np.zeros(0, dtype=bool)
-        out = np.empty((int(heads.sum()), 3), dtype=np.int64)
-        out[:, 0] = local[heads]
-        out[:, 1] = canonical[heads]
-        out[:, 2] = np.add.reduceat(size, np.flatnonzero(heads)) if out.shape[0] else 0
+        starts = np.flatnonzero(np.concatenate(([local.size > 0], ~joins)))
+        out = np.stack([local[starts], canonical[starts], np.add.reduceat(size, starts)], axis=1)
         out.setflags(write=False)
         return out
 

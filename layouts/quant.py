@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from .derive import derive_group_mappings, opaque_fallback_mapping
+from .derive import derive_group_mappings, opaque_group
 from .mapping import CanonicalPageMapping
-from .spec import PACKINGS, LayerSpec, dtype_name
+from .spec import PACKINGS, LayerSpec, check_choice, dtype_name
 from .tiling import verify_tiling
 
 __all__ = [
@@ -51,13 +51,7 @@ SCALE_GRANULARITIES = ("per-tensor", "per-token-head")
 # Scale dtypes and the numpy type that rounds a per-tensor value to them.
 SCALE_DTYPES = {"float32": np.float32, "float16": np.float16}
 # KV dtypes that carry scales: 1-byte floats and int8 (e8m0 is a scale format, not KV).
-QUANTISED_KV_DTYPES = (
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "int8",
-)
+QUANTISED_KV_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "int8")
 
 
 def _scale_value(name: str, value: Any, dtype: str) -> float:
@@ -90,10 +84,7 @@ class KVScales:
         Per-token-head only: the companion tensor's packing (see the module
         docstring); its stride order is always the data's.
 
-    Raises
-    ------
-    ValueError, TypeError
-        Naming the field and the expected value.
+    A bad field is a ValueError or TypeError naming it and the expected value.
     """
 
     granularity: str
@@ -103,10 +94,7 @@ class KVScales:
     packing: str = "split"
 
     def __post_init__(self) -> None:
-        if self.granularity not in SCALE_GRANULARITIES:
-            raise ValueError(
-                f"granularity: expected one of {SCALE_GRANULARITIES}, got {self.granularity!r}"
-            )
+        check_choice("granularity", self.granularity, SCALE_GRANULARITIES)
         try:
             name = dtype_name(self.dtype)
         except ValueError:
@@ -114,8 +102,7 @@ class KVScales:
         if name not in SCALE_DTYPES:
             raise ValueError(f"dtype: expected one of {tuple(SCALE_DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", name)
-        if self.packing not in PACKINGS:
-            raise ValueError(f"packing: expected one of {PACKINGS}, got {self.packing!r}")
+        check_choice("packing", self.packing, PACKINGS)
         if self.granularity == "per-tensor":
             if self.k_scale is None or self.v_scale is None:
                 raise ValueError("k_scale, v_scale: expected both for per-tensor scales")
@@ -193,54 +180,29 @@ def derive_scaled_group_mappings(
     *,
     layer_name: str = "<layer>",
 ) -> tuple[tuple[CanonicalPageMapping, ...], tuple[CanonicalPageMapping, ...] | None]:
-    """A quantised layer's data mappings and its scale page's, for every rank, verified.
+    """A quantised layer's ``(data_mappings, scale_mappings)``, each indexed by rank and
+    verified; ``scale_mappings`` is None for per-tensor scales.
 
     The data is derived as any layer of its dtype. Per-token-head scales are
     derived from :meth:`KVScales.page_spec` by the same rules, so the two
     certify together (same heads, tokens and topology); should they ever
     disagree, both fall back to opaque pages (a reader of the same topology
     only) rather than pair certified data with scales in another place.
-
-    Returns
-    -------
-    tuple
-        ``(data_mappings, scale_mappings)``, each indexed by rank;
-        ``scale_mappings`` is None for per-tensor scales.
     """
     problem = scales_mismatch(spec, scales)
     if problem is not None:
         raise ValueError(f"scales: cannot scale {layer_name}: {problem}")
-    data = derive_group_mappings(
-        spec, tp_size, total_kv_heads, dcp_size, pcp_size, interleave, layer_name=layer_name
-    )
+    topology = (tp_size, total_kv_heads, dcp_size, pcp_size, interleave)
+    data = derive_group_mappings(spec, *topology, layer_name=layer_name)
     if not scales.has_page:
         return data, None
-    page = scales.page_spec(spec)
-    scale = derive_group_mappings(
-        page,
-        tp_size,
-        total_kv_heads,
-        dcp_size,
-        pcp_size,
-        interleave,
-        layer_name=f"{layer_name} (scales)",
-    )
+    page, page_name = scales.page_spec(spec), f"{layer_name} (scales)"
+    scale = derive_group_mappings(page, *topology, layer_name=page_name)
     reasons = {data[0].fallback_reason, scale[0].fallback_reason}
     if len(reasons) > 1 and None in reasons:  # one certified, the other not: neither is
-        reason = next(r for r in reasons if r is not None)
-        data, scale = (
-            tuple(
-                opaque_fallback_mapping(
-                    s.page_size_bytes,
-                    len(data),
-                    rank,
-                    derived_for=s,
-                    fallback_reason=f"data and scales certify apart: {reason}",
-                )
-                for rank in range(len(data))
-            )
-            for s in (spec, page)
-        )
+        reason = f"data and scales certify apart: {next(r for r in reasons if r is not None)}"
+        data = opaque_group(spec.page_size_bytes, len(data), reason, spec)
+        scale = opaque_group(page.page_size_bytes, len(scale), reason, page)
         verify_tiling(data, layer_name)
-        verify_tiling(scale, f"{layer_name} (scales)")
+        verify_tiling(scale, page_name)
     return data, scale

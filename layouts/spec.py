@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LayerSpec", "RankContext", "dtype_name", "element_size"]
+__all__ = ["LayerSpec", "RankContext", "check_choice", "dtype_name", "element_size", "is_int"]
 
 ATTENTION_KINDS = ("full", "mla")
 PACKINGS = ("packed", "split")
@@ -22,20 +22,11 @@ ORDERS = ("NHD", "HND")
 # Byte widths of the dtypes a KV cache is stored in. The ops move bytes, so only
 # the width matters; names follow torch's spelling without the "torch." prefix.
 _ELEMENT_SIZES = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
+    **dict.fromkeys(("float64", "int64"), 8),
+    **dict.fromkeys(("float32", "int32"), 4),
+    **dict.fromkeys(("float16", "bfloat16", "int16"), 2),
+    **dict.fromkeys(("int8", "uint8", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"), 1),
+    **dict.fromkeys(("float8_e5m2fnuz", "float8_e8m0fnu"), 1),
 }
 _ALIASES = {
     "half": "float16",
@@ -53,10 +44,7 @@ _ALIASES = {
 def dtype_name(dtype: Any) -> str:
     """Canonical name of a dtype given as a string, a torch dtype or a numpy dtype.
 
-    Raises
-    ------
-    ValueError
-        If the dtype is not one a KV cache is stored in.
+    ValueError if it is not one a KV cache is stored in.
     """
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
@@ -80,9 +68,20 @@ def element_size(dtype: Any) -> int:
     return _ELEMENT_SIZES[dtype_name(dtype)]
 
 
+def is_int(value: Any) -> bool:
+    """An int or numpy integer, never a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -128,17 +127,11 @@ class LayerSpec:
     tokens_per_state: int | Fraction = 1
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(
-                f"attention: expected one of {ATTENTION_KINDS}, got {self.attention!r}"
-            )
-        if self.packing not in PACKINGS:
-            raise ValueError(f"packing: expected one of {PACKINGS}, got {self.packing!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order: expected one of {ORDERS}, got {self.order!r}")
-        _positive_int("block_size", self.block_size)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_size", self.head_size)
+        check_choice("attention", self.attention, ATTENTION_KINDS)
+        check_choice("packing", self.packing, PACKINGS)
+        check_choice("order", self.order, ORDERS)
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            _positive_int(name, getattr(self, name))
         if self.attention == "mla":
             # An MLA latent cache has one layout, (blocks, tokens, latent): one spelling.
             if self.num_kv_heads != 1:
@@ -153,7 +146,7 @@ class LayerSpec:
                         f"token, as LayerSpec.from_tensor reports it), got {getattr(self, name)!r}"
                     )
         tps = self.tokens_per_state
-        if isinstance(tps, bool) or not isinstance(tps, (int, Fraction, np.integer)) or tps <= 0:
+        if not (is_int(tps) or isinstance(tps, Fraction)) or tps <= 0:
             raise ValueError(f"tokens_per_state: expected a positive int or Fraction, got {tps!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "per_token_head_scales", bool(self.per_token_head_scales))
@@ -198,48 +191,26 @@ class LayerSpec:
         ``split``; the strides then decide NHD (token-major) or HND (head-major),
         with the last dim contiguous and no padding inside the page, as vLLM
         recognises them. MLA: shape (num_blocks, block_size, head_size) with
-        contiguous rows, reported as packed NHD (one latent row per token).
-
-        Returns
-        -------
-        LayerSpec | None
-            None when the layout is not one of those (the caller must then not
-            certify the layer: fail closed).
+        contiguous rows, reported as packed NHD (one latent row per token). None when
+        the layout is not one of those (the caller must then not certify the layer).
         """
         shape = tuple(int(s) for s in kv_cache.shape)
-        strides = _element_strides(kv_cache)
-        common = dict(
-            attention=attention,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            dtype=kv_cache.dtype,
-            per_token_head_scales=per_token_head_scales,
-            tokens_per_state=tokens_per_state,
-        )
-        bs, heads, hs = block_size, num_kv_heads, head_size
-        if attention == "mla":
-            if shape[1:] == (bs, hs) and strides[1:] == (hs, 1):
-                return cls(packing="packed", order="NHD", **common)
+        strides = _element_strides(kv_cache)[1:]  # in elements, without the block's
+        bs, heads, hs, row = block_size, num_kv_heads, head_size, 2 * head_size
+        if attention == "mla":  # (blocks, tokens, latent) with contiguous rows
+            packing, orders = "packed", ({"NHD": (hs, 1)} if shape[1:] == (bs, hs) else {})
+        elif shape[1:] == (heads, bs, row):  # strides of (head, token, element)
+            packing, orders = "packed", {"NHD": (row, heads * row, 1), "HND": (bs * row, row, 1)}
+        elif shape[1:] == (2, bs, heads, hs):  # strides of (half, token, head, element)
+            half = bs * heads * hs
+            orders = {"NHD": (half, heads * hs, hs, 1), "HND": (half, hs, bs * hs, 1)}
+            packing = "split"
+        else:
             return None
-        if len(shape) == 4 and shape[1:] == (heads, bs, 2 * hs):
-            _, head_stride, token_stride, inner = strides
-            if inner != 1:
-                return None
-            if head_stride == 2 * hs and token_stride == heads * 2 * hs:
-                return cls(packing="packed", order="NHD", **common)
-            if head_stride == bs * 2 * hs and token_stride == 2 * hs:
-                return cls(packing="packed", order="HND", **common)
-            return None
-        if len(shape) == 5 and shape[1:] == (2, bs, heads, hs):
-            _, half_stride, token_stride, head_stride, inner = strides
-            if inner != 1 or half_stride != bs * heads * hs:
-                return None
-            if token_stride == heads * hs and head_stride == hs:
-                return cls(packing="split", order="NHD", **common)
-            if head_stride == bs * hs and token_stride == hs:
-                return cls(packing="split", order="HND", **common)
-        return None
+        order = next((order for order, want in orders.items() if strides == want), None)
+        fields = (attention, block_size, num_kv_heads, head_size, kv_cache.dtype, packing, order)
+        flags = dict(per_token_head_scales=per_token_head_scales, tokens_per_state=tokens_per_state)
+        return None if order is None else cls(*fields, **flags)
 
 
 def _element_strides(tensor: Any) -> tuple[int, ...]:
@@ -269,14 +240,10 @@ class RankContext:
     def __post_init__(self) -> None:
         for name in ("tp_size", "total_kv_heads", "dcp_size", "pcp_size", "interleave"):
             _positive_int(name, getattr(self, name))
-        group = self.tp_size * self.pcp_size
-        if (
-            isinstance(self.rank, bool)
-            or not isinstance(self.rank, (int, np.integer))
-            or not (0 <= self.rank < group)
-        ):
+        if not (is_int(self.rank) and 0 <= self.rank < self.group_size):
             raise ValueError(
-                f"rank: expected an int in [0, tp_size * pcp_size = {group}), got {self.rank!r}"
+                f"rank: expected an int in [0, tp_size * pcp_size = {self.group_size}), "
+                f"got {self.rank!r}"
             )
 
     @property

@@ -14,13 +14,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
 from .mapping import CanonicalPageMapping, CopyRun, coalesce_runs
-from .spec import dtype_name, element_size
-from .tiling import TilingError, _first_defect, _kind, verify_writers
+from .spec import check_choice, dtype_name, element_size, is_int
+from .tiling import TilingError, _first_defect, verify_writers
 
 __all__ = [
     "CONV_LAYOUTS",
@@ -49,9 +50,7 @@ _KIND_DIMS = {
 
 
 def _check_dim(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    if value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -107,14 +106,8 @@ class StateSpec:
     conv_layout: str = "SD"
 
     def __post_init__(self) -> None:
-        if self.kind not in STATE_KINDS:
-            raise ValueError(f"kind: expected one of {STATE_KINDS}, got {self.kind!r}")
-        if self.conv_layout not in CONV_LAYOUTS:
-            raise ValueError(
-                f"conv_layout: expected one of {CONV_LAYOUTS}, got {self.conv_layout!r}"
-            )
-        if isinstance(self.dims, dict):
-            object.__setattr__(self, "dims", tuple(self.dims.items()))
+        check_choice("kind", self.kind, STATE_KINDS)
+        check_choice("conv_layout", self.conv_layout, CONV_LAYOUTS)
         try:
             given = dict(self.dims)
         except (TypeError, ValueError):
@@ -122,15 +115,12 @@ class StateSpec:
         names = _KIND_DIMS[self.kind].split()
         if set(given) != set(names) or len(given) != len(self.dims):
             raise ValueError(f"dims: expected exactly {list(names)} for {self.kind}, got {given}")
-        dims = tuple(
-            (name, _check_dim(name, given[name], 0 if name == "num_spec" else 1)) for name in names
-        )
+        minimum = {"num_spec": 0, "conv_kernel": 2}  # other dims: 1
+        dims = tuple((name, _check_dim(name, given[name], minimum.get(name, 1))) for name in names)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "conv_dtype", dtype_name(self.conv_dtype))
         object.__setattr__(self, "ssm_dtype", dtype_name(self.ssm_dtype))
         d = dict(dims)
-        if d["conv_kernel"] < 2:
-            raise ValueError(f"conv_kernel: expected an int >= 2, got {d['conv_kernel']}")
         if self.kind == "mamba2":
             if d["intermediate_size"] != d["num_heads"] * d["head_dim"]:
                 raise ValueError(
@@ -185,7 +175,7 @@ class StateSpec:
             num_heads=num_heads, head_dim=head_dim, n_groups=n_groups, state_size=state_size
         )
         # vLLM's mixer: intermediate_size = num_heads * head_dim (checked again below)
-        product = num_heads * head_dim if _is_int(num_heads, head_dim) else 0
+        product = num_heads * head_dim if is_int(num_heads) and is_int(head_dim) else 0
         args = (conv_kernel, num_spec, conv_dtype, ssm_dtype, conv_layout)
         return cls._mixer("mamba2", dims, *args, intermediate_size=product)
 
@@ -227,10 +217,10 @@ class StateSpec:
 
     def dim(self, name: str) -> int:
         """One of the kind's dims by name."""
-        for key, value in self.dims:
-            if key == name:
-                return value
-        raise KeyError(f"name: expected one of {[k for k, _ in self.dims]}, got {name!r}")
+        dims = dict(self.dims)
+        if name not in dims:
+            raise KeyError(f"name: expected one of {list(dims)}, got {name!r}")
+        return dims[name]
 
     @property
     def state_len(self) -> int:
@@ -280,14 +270,6 @@ class StateSpec:
             return 1, math.prod(self.ssm_head_shape())
         return (self.state_len, 1) if self.conv_layout == "SD" else (1, self.state_len)
 
-    def tensor_shape(self, tensor: int, channels: int) -> tuple[int, ...]:
-        """Per-slot shape of state tensor ``tensor`` holding ``channels`` channels."""
-        if tensor == 1:
-            return (channels, *self.ssm_head_shape())
-        if self.conv_layout == "SD":
-            return (self.state_len, channels)
-        return (channels, self.state_len)
-
     def canonical_layout(self) -> tuple[tuple[str, str, tuple[int, int, int], int], ...]:
         """The canonical unit of this layer: ``(segment, dtype, (outer, channels, inner),
         byte offset)`` per segment, in order."""
@@ -314,7 +296,9 @@ class StateSpec:
             if units is None:
                 return None
             channels[seg.tensor] += units * seg.unit_channels
-        return tuple(self.tensor_shape(t, channels[t]) for t in range(len(TENSOR_NAMES)))
+        conv, ssm = channels
+        conv_shape = (self.state_len, conv) if self.conv_layout == "SD" else (conv, self.state_len)
+        return conv_shape, (ssm, *self.ssm_head_shape())
 
     def local_tensor_bytes(self, tp_size: int) -> tuple[int, ...] | None:
         """Bytes per slot of each state tensor at ``tp_size`` (None: not provable)."""
@@ -328,12 +312,6 @@ class StateSpec:
         return (
             f"{self.kind}({dims}; conv {self.conv_dtype} {self.conv_layout}, ssm {self.ssm_dtype})"
         )
-
-
-def _is_int(*values: Any) -> bool:
-    return all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values
-    )
 
 
 @dataclass(frozen=True)
@@ -353,17 +331,10 @@ class StateSegmentMapping:
 
 @dataclass(frozen=True)
 class StateLayerMappings:
-    """One rank's mappings of one state layer.
-
-    Attributes
-    ----------
-    segments : tuple[StateSegmentMapping, ...]
-        In canonical order; their canonical areas follow each other.
-    tensor_bytes : tuple[int, ...]
-        Bytes per slot of each state tensor on this rank (conv, SSM).
-    fallback_reason : str | None
-        Why the layer is stored opaquely (each rank's slot whole), or None.
-    """
+    """One rank's mappings of one state layer: its ``segments`` in canonical order (their
+    canonical areas follow each other), each state tensor's bytes per slot on this rank
+    (``tensor_bytes``: conv, SSM) and why the layer is stored opaquely (each rank's slot
+    whole), or None (``fallback_reason``)."""
 
     segments: tuple[StateSegmentMapping, ...]
     tensor_bytes: tuple[int, ...]
@@ -377,11 +348,8 @@ class StateLayerMappings:
     @property
     def area_offsets(self) -> tuple[int, ...]:
         """Offset of each segment's canonical area in the layer's canonical slot."""
-        out, position = [], 0
-        for s in self.segments:
-            out.append(position)
-            position += s.mapping.canonical_page_size_bytes
-        return tuple(out)
+        sizes = [s.mapping.canonical_page_size_bytes for s in self.segments]
+        return tuple(accumulate(sizes, initial=0))[: len(sizes)]
 
 
 def state_certification_failure(
@@ -412,48 +380,35 @@ def state_certification_failure(
 
 def _derive(spec: StateSpec, tp_size: int, rank: int) -> StateLayerMappings:
     """The certified mappings of ``rank`` (the caller checked certification)."""
-    local_channels = [0, 0]
-    layout = []  # (segment, local units, local channel start)
+    local_channels, local_starts = [0, 0], []  # per tensor: the rank's segments side by side
     for seg in spec.segments:
-        units = seg.local_units(tp_size)
-        layout.append((seg, units, local_channels[seg.tensor]))
-        local_channels[seg.tensor] += units * seg.unit_channels
+        local_starts.append(local_channels[seg.tensor])
+        local_channels[seg.tensor] += seg.local_units(tp_size) * seg.unit_channels
     mappings = []
-    for seg, units, local_start in layout:
+    for seg, local_start in zip(spec.segments, local_starts):
         outer, inner = spec._outer_inner(seg.tensor)
-        elem = element_size(spec.dtypes[seg.tensor])
-        channel_bytes = inner * elem
+        channel_bytes = inner * element_size(spec.dtypes[seg.tensor])
+        row_bytes = local_channels[seg.tensor] * channel_bytes  # one outer row of the rank's
+        shard_bytes = seg.local_units(tp_size) * seg.unit_channels * channel_bytes
         replicated = seg.units % tp_size != 0  # one unit held whole by every rank
-        shard = 0 if replicated else rank
         run = CopyRun(
             local_offset=local_start * channel_bytes,
-            canonical_offset=shard * units * seg.unit_channels * channel_bytes,
-            fragment_size=units * seg.unit_channels * channel_bytes,
+            canonical_offset=(0 if replicated else rank) * shard_bytes,
+            fragment_size=shard_bytes,
             num_fragments=outer,
-            local_stride=local_channels[seg.tensor] * channel_bytes,
+            local_stride=row_bytes,
             canonical_stride=seg.channels * channel_bytes,
         )
-        mappings.append(
-            StateSegmentMapping(
-                seg.tensor,
-                seg.name,
-                CanonicalPageMapping(
-                    canonical_page_size_bytes=outer * seg.channels * channel_bytes,
-                    local_page_size_bytes=outer * local_channels[seg.tensor] * channel_bytes,
-                    runs=coalesce_runs([run]),
-                    num_writers=tp_size if replicated else 1,
-                    writer_index=rank if replicated else 0,
-                    parallelism_agnostic=True,
-                ),
-            )
+        mapping = CanonicalPageMapping(
+            canonical_page_size_bytes=outer * seg.channels * channel_bytes,
+            local_page_size_bytes=outer * row_bytes,
+            runs=coalesce_runs([run]),
+            num_writers=tp_size if replicated else 1,
+            writer_index=rank if replicated else 0,
+            parallelism_agnostic=True,
         )
-    tensor_bytes = tuple(
-        outer_inner[0] * channels * outer_inner[1] * element_size(dtype)
-        for outer_inner, channels, dtype in zip(
-            (spec._outer_inner(0), spec._outer_inner(1)), local_channels, spec.dtypes
-        )
-    )
-    return StateLayerMappings(tuple(mappings), tensor_bytes)
+        mappings.append(StateSegmentMapping(seg.tensor, seg.name, mapping))
+    return StateLayerMappings(tuple(mappings), spec.local_tensor_bytes(tp_size))
 
 
 def derive_state_mappings(
@@ -506,12 +461,8 @@ def verify_state_tiling(group: Sequence[StateLayerMappings], layer_name: str | N
 
     Every rank's segments must cover each of its state tensors' slots exactly
     once (a load restores the whole slot), and for every segment and page id
-    the elected writers must write each canonical byte exactly once.
-
-    Raises
-    ------
-    TilingError
-        Naming the layer, the segment or tensor, the byte range and the ranks.
+    the elected writers must write each canonical byte exactly once. A ``TilingError``
+    names the layer, the segment or tensor, the byte range and the ranks.
     """
     if not group:
         raise TilingError(layer_name, "no mappings (expected one per rank)")
@@ -521,15 +472,14 @@ def verify_state_tiling(group: Sequence[StateLayerMappings], layer_name: str | N
             raise TilingError(layer_name, f"rank {rank} has segments {layer.segments}, not {names}")
         for tensor, size in enumerate(layer.tensor_bytes):
             frags = [s.mapping.fragments() for s in layer.segments if s.tensor == tensor]
-            local = np.concatenate([f[:, [0, 2]] for f in frags]) if frags else np.empty((0, 2))
-            order = np.argsort(local[:, 0], kind="stable")
-            starts = local[order, 0].astype(np.int64)
-            defect = _first_defect(starts, starts + local[order, 1].astype(np.int64), size)
+            frags = np.concatenate([np.empty((0, 3), dtype=np.int64), *frags])
+            frags = frags[np.argsort(frags[:, 0], kind="stable")]
+            defect = _first_defect(frags[:, 0], frags[:, 0] + frags[:, 2], size)
             if defect and size:
                 kind, begin, end = defect
                 raise TilingError(
                     layer_name,
-                    f"rank {rank}'s segments leave {_kind(kind)} in "
+                    f"rank {rank}'s segments leave {kind} in "
                     f"its {TENSOR_NAMES[tensor] if tensor < 2 else tensor} slot at bytes "
                     f"[{begin}, {end}) of {size}",
                 )
@@ -551,14 +501,8 @@ def derive_state_group_mappings(
     Every rank certifies, or every rank gets :func:`opaque_state_mappings` with
     ``tensor_bytes`` (each state tensor's bytes per slot on one rank; needed
     only when the layer falls back, i.e. ``spec`` is None or refused).
-    Cached per (spec, topology).
-
-    Raises
-    ------
-    ValueError
-        A refused layer without ``tensor_bytes`` (the message says why it is refused).
-    TilingError
-        The mappings do not tile (a bug, never silently used).
+    Cached per (spec, topology). ValueError: a refused layer without ``tensor_bytes``
+    (saying why it is refused); TilingError: the mappings do not tile (a bug, never used).
     """
     if spec is not None and not isinstance(spec, StateSpec):
         raise TypeError(f"spec: expected a StateSpec or None, got {type(spec).__name__}")

@@ -29,99 +29,74 @@ class TilingError(ValueError):
 
 
 def _first_defect(starts: np.ndarray, ends: np.ndarray, size: int) -> tuple[str, int, int] | None:
-    """First gap or overlap of sorted intervals against [0, size): (kind, begin, end)."""
+    """First gap or overlap of sorted intervals against [0, size): (what, begin, end), what
+    being "a gap", "an overlap" or "an out of range"."""
     if starts.size == 0:
-        return ("gap", 0, size)
+        return ("a gap", 0, size)
     if starts[0] > 0:
-        return ("gap", 0, int(starts[0]))
+        return ("a gap", 0, int(starts[0]))
     if starts[0] < 0:
-        return ("out of range", int(starts[0]), 0)
+        return ("an out of range", int(starts[0]), 0)
     bad = np.flatnonzero(ends[:-1] != starts[1:])
     if bad.size:
         i = int(bad[0])
         if ends[i] < starts[i + 1]:
-            return ("gap", int(ends[i]), int(starts[i + 1]))
-        return ("overlap", int(starts[i + 1]), int(min(ends[i], ends[i + 1])))
+            return ("a gap", int(ends[i]), int(starts[i + 1]))
+        return ("an overlap", int(starts[i + 1]), int(min(ends[i], ends[i + 1])))
     if ends[-1] != size:
-        kind = "gap" if ends[-1] < size else "out of range"
+        kind = "a gap" if ends[-1] < size else "an out of range"
         return (kind, int(min(ends[-1], size)), int(max(ends[-1], size)))
     return None
 
 
-def _kind(kind: str) -> str:
-    return f"{'a ' if kind == 'gap' else 'an '}{kind}"
-
-
 def verify_tiling(mappings: Sequence[CanonicalPageMapping], layer_name: str | None = None) -> None:
-    """Check that a group's mappings (indexed by rank) tile exactly.
-
-    Raises
-    ------
-    TilingError
-        Naming ``layer_name``, when ranks disagree on the canonical page size or
-        writer count, when a rank's runs leave a gap in or overlap its local page,
-        or when the writers elected for some page id leave a gap in or overlap the
-        canonical page (:func:`verify_writers`), with the byte range and the ranks.
-    """
-    if not mappings:
-        raise TilingError(layer_name, "no mappings (expected one per rank)")
-    _check_agreement(mappings, layer_name, "")
-    for rank, mapping in enumerate(mappings):
-        frags = mapping.fragments()  # sorted by local offset
-        size = mapping.local_page_size_bytes
-        defect = _first_defect(frags[:, 0], frags[:, 0] + frags[:, 2], size)
-        if defect:
-            kind, begin, end = defect
-            raise TilingError(
-                layer_name,
-                f"rank {rank}'s runs leave {_kind(kind)} in its local page at bytes "
-                f"[{begin}, {end}) of {size}",
-            )
-    _check_writers(mappings, layer_name, "")
+    """Check that a group's mappings (indexed by rank) tile exactly: :func:`verify_writers`,
+    and each rank's runs cover its local page exactly once. A ``TilingError`` names
+    ``layer_name``, the first disagreement, gap or overlap, its byte range and the ranks."""
+    verify_writers(mappings, layer_name, local=True)
 
 
 def verify_writers(
-    mappings: Sequence[CanonicalPageMapping], layer_name: str | None = None, part: str = ""
+    mappings: Sequence[CanonicalPageMapping],
+    layer_name: str | None = None,
+    part: str = "",
+    *,
+    local: bool = False,
 ) -> None:
-    """The canonical side of :func:`verify_tiling`: ranks agree on the canonical page
-    size and writer count, and the writers elected for every page id (0 .. num_writers-1
-    covers every rotation) write each canonical byte exactly once. ``part``: which part
-    of the layer (e.g. a state segment), named in the error."""
-    if not mappings:
-        raise TilingError(layer_name, f"{part}: no mappings (expected one per rank)")
+    """The canonical side of :func:`verify_tiling` (and its local side when ``local``):
+    ranks agree on the canonical page size and writer count, and the writers elected for
+    every page id (0 .. num_writers-1 covers every rotation) write each canonical byte
+    exactly once. ``part``: which part of the layer (e.g. a state segment), named in the
+    error."""
     prefix = f"{part}: " if part else ""
-    _check_agreement(mappings, layer_name, prefix)
-    _check_writers(mappings, layer_name, prefix)
-
-
-def _check_agreement(mappings, layer_name: str | None, prefix: str) -> None:
+    if not mappings:
+        raise TilingError(layer_name, f"{prefix}no mappings (expected one per rank)")
     size = mappings[0].canonical_page_size_bytes
     num_writers = mappings[0].num_writers
     for rank, mapping in enumerate(mappings):
-        if mapping.canonical_page_size_bytes != size:
-            raise TilingError(
-                layer_name,
-                f"{prefix}rank {rank} has canonical_page_size_bytes="
-                f"{mapping.canonical_page_size_bytes}, rank 0 has {size}",
-            )
-        if mapping.num_writers != num_writers:
-            raise TilingError(
-                layer_name,
-                f"{prefix}rank {rank} has num_writers={mapping.num_writers}, rank 0 has "
-                f"{num_writers}",
-            )
+        for name, want in (("canonical_page_size_bytes", size), ("num_writers", num_writers)):
+            if getattr(mapping, name) != want:
+                raise TilingError(
+                    layer_name,
+                    f"{prefix}rank {rank} has {name}={getattr(mapping, name)}, rank 0 has {want}",
+                )
         if not 0 <= mapping.writer_index < num_writers:
             raise TilingError(
                 layer_name,
                 f"{prefix}rank {rank} has writer_index={mapping.writer_index}, "
                 f"expected 0 <= writer_index < {num_writers}",
             )
-
-
-def _check_writers(mappings, layer_name: str | None, prefix: str) -> None:
-    size = mappings[0].canonical_page_size_bytes
-    num_writers = mappings[0].num_writers
-    all_frags = [m.fragments() for m in mappings]
+    all_frags = [m.fragments() for m in mappings]  # sorted by local offset
+    for rank, frags in enumerate(all_frags if local else ()):
+        local_size = mappings[rank].local_page_size_bytes
+        defect = _first_defect(frags[:, 0], frags[:, 0] + frags[:, 2], local_size)
+        if defect:
+            kind, begin, end = defect
+            raise TilingError(
+                layer_name,
+                f"{prefix}rank {rank}'s runs leave {kind} in its local page at bytes "
+                f"[{begin}, {end}) of {local_size}",
+            )
     for page_id in range(num_writers):
         writers = [r for r, m in enumerate(mappings) if m.is_writer(page_id)]
         if not writers:
@@ -132,13 +107,13 @@ def _check_writers(mappings, layer_name: str | None, prefix: str) -> None:
         order = np.argsort(starts, kind="stable")
         starts, ends, owner = starts[order], starts[order] + sizes[order], owner[order]
         defect = _first_defect(starts, ends, size)
-        if defect and (size or defect[0] != "gap"):  # an empty page has no gap
+        if defect and (size or defect[0] != "a gap"):  # an empty page has no gap
             kind, begin, end = defect
             near = np.flatnonzero((starts < max(end, begin + 1)) & (ends > begin - 1))
             ranks = sorted({int(owner[i]) for i in near})
             raise TilingError(
                 layer_name,
                 f"{prefix}writers {writers} of page ids = {page_id} (mod {num_writers}) leave "
-                f"{_kind(kind)} in the canonical page at bytes [{begin}, {end}) of {size} "
+                f"{kind} in the canonical page at bytes [{begin}, {end}) of {size} "
                 f"(ranks touching it: {ranks})",
             )

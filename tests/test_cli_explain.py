@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.demo_cli import assert_usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,18 +27,6 @@ def explain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         text=True,
         timeout=timeout,
     )
-
-
-def assert_usage_error(result: subprocess.CompletedProcess, *words: str) -> str:
-    """Exit 2, nothing on stdout, one line on stderr naming ``words``; returns that line."""
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert result.stdout == ""
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 BAD_INPUTS = [

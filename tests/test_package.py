@@ -136,3 +136,13 @@ print(unit.__spec__.name)
     )
     assert lines[1] == "True True canonical_ops.engine.pages True"
     assert lines[2] == "canonical_ops.units.unit"
+
+
+@pytest.mark.parametrize("name", ["RegionClosedError", "PageInfo"])
+def test_removed_public_names_say_what_replaces_them(name):
+    import canonical_ops
+    import canonical_ops.engine
+
+    for package in (canonical_ops, canonical_ops.engine):
+        with pytest.raises(AttributeError, match=f"{name} was removed: .+"):
+            getattr(package, name)

@@ -22,7 +22,15 @@ import time
 
 import numpy as np
 import pytest
-from helpers.demo_cli import ROOT, assert_usage_error, demo_json, prompt_keys, run_demo
+from helpers.demo_cli import (
+    BLOCKS,
+    PROMPT,
+    ROOT,
+    assert_usage_error,
+    demo_json,
+    prompt_keys,
+    run_demo,
+)
 from helpers.redis_server import (
     RedisBinaryMissing,
     RedisClusterNodes,
@@ -37,9 +45,6 @@ from canonical_ops.units.files import key_digest
 
 pytestmark = pytest.mark.slow
 
-# tiny: 4 layers, 8 KV heads x 64, fp16, block 16: 32 KiB pages, 128 KiB per whole-model unit
-PROMPT = ["--preset", "tiny", "--prompt-tokens", "128"]  # 8 blocks
-BLOCKS = 8
 MLA = ["--preset", "deepseek-v3", "--layers", "4"]
 
 

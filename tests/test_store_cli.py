@@ -236,10 +236,10 @@ def run_capture(capsys, *argv):
 
 
 def test_redact() -> None:
-    from canonical_ops.units.cli import redact
+    from canonical_ops.units.redis_url import redact_url as redact  # the one redaction
 
     assert redact("redis://:pa/ss#w?rd@host:6379/0") == "redis://***@host:6379/0"
-    assert redact("rediss://user:p@ss@host") == "rediss://***@host"
+    assert redact("rediss://user:p@ss@host") == "rediss://user:***@host"
     assert redact("unix:///s.sock?db=1&password=pw") == "unix:///s.sock?db=1&password=***"
     assert redact("redis://host:6379") == "redis://host:6379"
 

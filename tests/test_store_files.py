@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import xxhash
 from helpers.store import row, small_namespace, unit_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,12 +25,10 @@ from canonical_ops.units import (
     StoreItem,
     StoreNamespace,
     StoreRootError,
-    unitfile,
 )
 from canonical_ops.units import files as files_mod
-from canonical_ops.units import unit as enc_mod
-from canonical_ops.units.files import key_digest, unit_path
-from canonical_ops.units.jobs import IOJob
+from canonical_ops.units.files import key_digest
+from canonical_ops.units.jobs import current_job
 from canonical_ops.units.liveness import this_process
 from canonical_ops.units.policy import Entry, LruPolicy
 from canonical_ops.units.unit import header_length
@@ -120,7 +117,7 @@ def test_layout_on_disk(store, tmp_path) -> None:
     assert StoreNamespace.from_description(described).digest == NS.digest
     kd = key_digest(b"key")
     path = os.path.join(store.directory, kd[:2], kd, "0-32.ckv")
-    assert unit_files(store) == [path] == [unit_path(store.directory, kd, 0, 32)]
+    assert unit_files(store) == [path]
     assert os.path.getsize(path) == header_length(b"key") + NS.total_bytes
     assert os.listdir(os.path.join(store.directory, "tmp")) == []
     # A second store on the same root shares the files and leaves namespace.json alone.
@@ -240,77 +237,39 @@ def test_cross_split_reads(store) -> None:
     assert load_bytes(store, 3, 8, 24)[0] == "miss"
 
 
-class SpyHasher:
-    """xxh3_128 that logs each update, for the order of reads, hashes and copies."""
-
-    real_hasher = xxhash.xxh3_128  # before the test patches it
-
-    def __init__(self, log: list) -> None:
-        self.real, self.log = self.real_hasher(), log
-
-    def update(self, data) -> None:
-        view = np.frombuffer(data, np.uint8)
-        self.log.append(("hash", view.ctypes.data, len(view)))
-        self.real.update(data)
-
-    def digest(self) -> bytes:
-        return self.real.digest()
-
-
-NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+def pieces(monkeypatch, piece: int, bounce: int | None = None, *, nowait: bool = True) -> None:
+    """Read in pieces of ``piece`` bytes, ``bounce`` (a multiple of 4 KiB) at a time from the
+    device path; ``nowait`` False: never from the page cache straight into the destination."""
+    monkeypatch.setattr(files_mod, "_PIECE_BYTES", piece)
+    monkeypatch.setattr(files_mod, "_BOUNCE_BYTES", bounce or -(-piece // 4096) * 4096)
+    monkeypatch.setattr(files_mod, "_NOWAIT", nowait)
 
 
 @pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "from-device"])
 @pytest.mark.parametrize("chunk", [4096, 5000, NS.total_bytes - 1])
-def test_a_unit_is_read_hashed_and_copied_piece_by_piece(store, monkeypatch, chunk, cached):
-    """Piece by piece, the header with the first: a piece the page cache holds is read
-    straight into the destination (RWF_NOWAIT: no I/O wait) under the job's claim and hashed
-    there; any other is read into this thread's buffer (a stuck read never writes caller
-    memory), hashed there while in cache, then copied under the claim."""
+def test_only_reads_that_may_block_go_through_the_buffer_unclaimed(
+    store, monkeypatch, chunk, cached
+):
+    """A unit the page cache holds is read piece by piece straight into the destination
+    (RWF_NOWAIT, under the claim): no read that may block. Otherwise each read goes into the
+    thread's buffer, unclaimed, and the destination is written only after it returned: when
+    a read starts, nothing past what was read before is in the destination yet."""
     assert store.store(7, 0, row(NS, 7), 0).ok
     dest = np.zeros(NS.total_bytes, np.uint8)
-    log: list = []
-    real_read, real_claim = os.preadv, IOJob.claim
+    reads = []
 
-    def spy(fd, buffers, offset, flags=0):
-        if flags and not cached:
-            raise BlockingIOError(errno.EAGAIN, "not in the page cache")
-        views = [np.frombuffer(b, np.uint8) for b in buffers]
-        log.append(("read", views[-1].ctypes.data, offset, sum(len(v) for v in views)))
-        return real_read(fd, buffers, offset, flags)
+    def hook(stage, path, offset):
+        if stage == "read":
+            payload_done = max(0, offset - header_length(7))
+            untouched = not dest[payload_done:].any()
+            reads.append((offset, current_job()._state.value, untouched))
 
-    def claim(job):
-        log.append(("claim",))
-        return real_claim(job)
-
-    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
-    monkeypatch.setattr(unitfile, "_RWF_NOWAIT", NOWAIT if cached else 1)
-    monkeypatch.setattr(files_mod.os, "preadv", spy)
-    monkeypatch.setattr(IOJob, "claim", claim)
-    monkeypatch.setattr(enc_mod.xxhash, "xxh3_128", lambda: SpyHasher(log))
-    assert store.load(7, 0, 32, dest).ok
-    assert np.array_equal(dest, row(NS, 7))
-    total, head = UNIT, header_length(7)
-    offsets = list(range(0, total, chunk))
-    reads = [e for e in log if e[0] == "read"]
-    assert [(r[2], r[3]) for r in reads] == [(o, min(chunk, total - o)) for o in offsets]
-    if cached:  # into the destination, claimed, then hashed there
-        starts = [r[1] - dest.ctypes.data for r in reads]
-        assert starts == [0] + [o - head for o in offsets[1:]]
-        steps = ["claim", "read", "hash-header", "hash"] + ["claim", "read", "hash"] * (
-            len(offsets) - 1
-        )
-        hashed = [e for e in log if e[0] == "hash"][1:]  # the first: the header
-        assert [h[1] for h in hashed] == [r[1] for r in reads]
-    else:  # the cached read refused; into one reused buffer, hashed there, claimed, copied
-        buffer = reads[0][1]
-        assert {r[1] for r in reads} == {buffer}
-        assert not buffer <= dest.ctypes.data < buffer + chunk
-        piece = ["claim", "read", "hash", "claim"]
-        steps = piece[:2] + ["hash-header"] + piece[2:] + piece * (len(offsets) - 1)
-    first_hash = next(i for i, e in enumerate(log) if e[0] == "hash")
-    assert log[first_hash][2] == head
-    assert [e[0] + "-header" * (i == first_hash) for i, e in enumerate(log)] == steps
+    pieces(monkeypatch, chunk, nowait=cached)
+    monkeypatch.setattr(files_mod, "_test_hook", hook)
+    assert store.load(7, 0, 32, dest).ok and np.array_equal(dest, row(NS, 7))
+    bounce = -(-chunk // 4096) * 4096
+    expected = [] if cached else [(o, 0, True) for o in range(0, UNIT, bounce)]
+    assert reads == expected  # 0: running (not claimed) while the read may block
 
 
 def test_a_load_that_expired_never_writes_its_destination(tmp_path, monkeypatch) -> None:
@@ -319,22 +278,20 @@ def test_a_load_that_expired_never_writes_its_destination(tmp_path, monkeypatch)
     with FileStore(tmp_path, NS, fsync=False, threads=1, deadline_s=0.3) as s:
         assert s.store(7, 0, row(NS, 7), 0).ok
         gate, entered = threading.Event(), threading.Event()
-        real = os.preadv
 
-        def stuck(fd, buffers, offset, flags=0):
-            if flags:  # RWF_NOWAIT: not in the page cache (a cold network file system)
-                raise BlockingIOError(errno.EAGAIN, "would block")
-            entered.set()
-            gate.wait(30)  # e.g. a hung network file system
-            return real(fd, buffers, offset)
+        def stuck(stage, path, offset):
+            if stage == "read":
+                entered.set()
+                gate.wait(30)  # e.g. a hung network file system
 
-        monkeypatch.setattr(files_mod.os, "preadv", stuck)
+        pieces(monkeypatch, 4096, nowait=False)  # not in the page cache (a cold unit)
+        monkeypatch.setattr(files_mod, "_test_hook", stuck)
         dest = np.zeros(NS.total_bytes, np.uint8)
         job = s.submit_load(7, 0, 32, dest)
         assert entered.wait(10)
         s.wait(job, timeout=10)
         assert job.status == "expired" and not dest.any()
-        monkeypatch.setattr(files_mod.os, "preadv", real)
+        monkeypatch.setattr(files_mod, "_test_hook", None)
         gate.set()
         time.sleep(0.2)  # the abandoned read returns and is dropped: nothing written
         assert not dest.any()
@@ -346,15 +303,13 @@ def test_a_load_that_expired_never_writes_its_destination(tmp_path, monkeypatch)
 def test_a_unit_that_shrinks_while_read_is_a_miss(store, monkeypatch) -> None:
     assert store.store(7, 0, row(NS, 7), 0).ok
     (path,) = unit_files(store)
-    real = os.preadv
 
-    def shrink_after_first_read(fd, buffers, offset, flags=0):
-        n = real(fd, buffers, offset, flags)
-        os.truncate(path, 2 * 4096)
-        return n
+    def shrink_after_first_read(stage, _path, offset):
+        if stage == "read" and offset:
+            os.truncate(path, 2 * 4096)
 
-    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(files_mod.os, "preadv", shrink_after_first_read)
+    pieces(monkeypatch, 4096, nowait=False)
+    monkeypatch.setattr(files_mod, "_test_hook", shrink_after_first_read)
     status, _ = load_bytes(store, 7, 0, 32)
     m = store.metrics()
     assert status == "miss" and (m.hits, m.bytes_loaded, m.corrupt_detected) == (0, 0, 1)
@@ -408,9 +363,9 @@ def flip(path: str, offset: int) -> None:
     ["payload bit", "header bit", "last byte", "truncate", "extend", "other key", "empty"],
 )
 @pytest.mark.parametrize("chunk", [None, 4096])
-def test_a_bad_file_is_a_miss_and_quarantined(store, damage, chunk, monkeypatch) -> None:
-    if chunk is not None:  # read in several pieces: damage in a later piece
-        monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "from-device"])
+def test_a_bad_file_is_a_miss_and_quarantined(store, damage, chunk, cached, monkeypatch) -> None:
+    pieces(monkeypatch, chunk or files_mod._PIECE_BYTES, nowait=cached)
     assert store.store(1, 0, row(NS, 1), 1).ok
     assert store.store(2, 0, row(NS, 2), 2).ok
     (path,) = [p for p in unit_files(store) if key_digest(1) in p]
@@ -496,6 +451,16 @@ def test_eviction_is_tail_first_among_equally_recent(tmp_path) -> None:
         assert s.lookup(list(range(8)), 0, 32) == 4
         assert s.lookup([7], 0, 32) == 1  # the newest stored block, the last to arrive
         assert len(unit_files(s)) == 5
+
+
+def test_a_batch_larger_than_the_room_keeps_its_heads(tmp_path) -> None:
+    """One job of 8 units into room for 5: stored, then the batch's tails are evicted."""
+    with FileStore(
+        tmp_path, NS, fsync=False, capacity_bytes=5 * UNIT, recency_granularity_s=1e12
+    ) as s:
+        job = s.stores([StoreItem(p, 0, row(NS, p), p) for p in range(8)])
+        assert job.ok and (s.metrics().units_on_disk, s.metrics().evicted) == (5, 3)
+        assert s.lookup(list(range(8)), 0, 32) == 5 and len(unit_files(s)) == 5
 
 
 def test_eviction_is_least_recently_used_first(tmp_path) -> None:
@@ -737,8 +702,12 @@ def header_key(key: int) -> bytes:
 
 
 @pytest.mark.parametrize("chunk", [8192, 1 << 20])
-def test_direct_io_writes_the_same_units_and_reads_them(tmp_path, monkeypatch, chunk) -> None:
-    monkeypatch.setattr(unitfile, "_LOAD_CHUNK_BYTES", chunk)
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "from-device"])
+def test_direct_io_writes_the_same_units_and_reads_them(
+    tmp_path, monkeypatch, chunk, cached
+) -> None:
+    pieces(monkeypatch, chunk, nowait=cached)
+    monkeypatch.setattr(files_mod, "_IO_CHUNK_BYTES", chunk)
     odd = small_namespace(7, head_size=24)  # a unit that is no multiple of 4 KiB
     with (
         FileStore(tmp_path / "d", odd, fsync=False, direct_io=True) as direct,

@@ -26,8 +26,10 @@ checked before any work). CUDA when a GPU is present, else CPU (hybrid presets: 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 from dataclasses import replace
+from multiprocessing import forkserver
 
 # presets, cli, config: pure (answered in a blink); truth, ranks, engine, report: torch.
 from .cli import PROG, build_parser
@@ -45,20 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stores = plan_stores(args)
         cfg = build_config(args, args.device)
+        # The ranks' process server, with torch and the ops preloaded (each rank starts in
+        # milliseconds, spawn semantics): started now, its imports overlap the checks below.
+        pool = multiprocessing.get_context("forkserver")
+        pool.set_forkserver_preload(["torch", "numpy", "canonical_ops.demo.ranks"])
+        forkserver.ensure_running()
         cfg = replace(cfg, device=resolve_device("cpu" if cfg.kinds else args.device))
         from .engine import Session, open_engine_tiers, run_persistent, run_shared_memory
-        from .ranks import Progress, rank_pool  # torch and the ops: loadable now
+        from .ranks import Progress  # torch and the ops: loadable now
         from .report import print_header, print_result, summarize
         from .truth import block_hashes
 
         check_resources(cfg, persistent=stores.enabled)  # before any O(pages) work
-        session = Session(cfg, Progress(out), out, args.timeout, stores=stores)
+        session = Session(cfg, Progress(out), out, args.timeout, pool, stores)
         if stores.enabled:  # the first engine's tiers: an unusable store is a usage error, now
             role = "reader" if stores.phase == "read" else "writer"
             session.first_tiers = open_engine_tiers(session, role)
     except UsageError as error:
         parser.fail(str(error))
-    session.pool = rank_pool()  # its server imports torch while the header is printed
     print_header(session, out)
     session.hashes = block_hashes(cfg)
     try:

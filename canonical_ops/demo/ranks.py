@@ -3,7 +3,6 @@ spawning them, their milestones as progress lines, what each reported."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import time
 import traceback
@@ -203,14 +202,3 @@ def run_group(s, role: str, tasks: Sequence[RankTask], milestones: dict[str, str
                 p.kill()
                 p.join(timeout=5)
     return run
-
-
-def rank_pool():
-    """A forkserver with torch and the ops preloaded: each rank starts in milliseconds instead
-    of importing torch anew (spawn semantics, no fork of a threaded parent)."""
-    from multiprocessing import forkserver
-
-    pool = mp.get_context("forkserver")
-    pool.set_forkserver_preload(["torch", "numpy", "canonical_ops.engine.worker", __name__])
-    forkserver.ensure_running()
-    return pool

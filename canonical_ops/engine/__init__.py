@@ -1,15 +1,11 @@
 """The standalone engine: what a multi-process demo or a small custom engine needs.
 
-* :class:`SharedOffloadRegion` (``region``): one /dev/shm region of canonical rows per
-  engine and pipeline stage, created by rank 0 and attached by the other ranks of a node.
-* :class:`OffloadWorker` (``worker``): one per rank; one op call per store or load.
-* :class:`PageManager` (``pages``): scheduler side; block hash -> page, ready once every
-  elected writer reported, generations, LRU eviction, pins, fills from a tier.
-* :class:`StageCache` (``cache``): one pipeline stage's pages backed by unit stores.
-* ``hybrid``: the state side of hybrid (attention + Mamba / GDN) models.
-
-vLLM users need none of this (:mod:`canonical_ops.vllm` uses vLLM's own region and
-scheduler). Imports are lazy: the compiled extension loads when ``OffloadWorker`` is used.
+:class:`SharedOffloadRegion` (``region``: one /dev/shm region of canonical rows per engine and
+pipeline stage, created by rank 0), :class:`OffloadWorker` (``worker``: one per rank, one op
+call per store or load), :class:`PageManager` (``pages``: block hash -> page, readiness once
+every elected writer reported, LRU, pins, fills), :class:`StageCache` (``cache``: a stage's
+pages backed by unit stores) and ``hybrid`` (the state side of attention + Mamba / GDN
+models). vLLM needs none of this. Imports are lazy: the extension loads on first use.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(("PageCapacityError", "PageManager", "PageState", "PageStateError"), ".pages"),
     **dict.fromkeys(("RegionSpaceError", "SharedOffloadRegion", "region_path"), ".region"),
-    **dict.fromkeys(
-        ("OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"), ".worker"
-    ),
+    **dict.fromkeys(("OffloadWorker", "TransferJob", "canonical_row_bytes"), ".worker"),
+    "group_layer_mappings": ".worker",
     **dict.fromkeys(("StageCache", "pp_layer_range", "pp_layer_ranges"), ".cache"),
     **dict.fromkeys(("FileStore", "ModelIdentity", "RedisStore", "StoreNamespace"), "..units"),
 }

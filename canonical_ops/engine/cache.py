@@ -1,10 +1,9 @@
 """Scheduler side of one pipeline stage: its region's pages first, then persistent tiers.
 
-:class:`StageCache` drives unit stores (FileStore, RedisStore) for the layers a stage owns,
-a region row being exactly the stage's unit. Every tier call is one batch job per tier and
-call on the tier's pool, so nothing waits for I/O unless given a timeout; a fill is ready
-only once its unit was read and verified (a bad unit is a miss, never a load), and a failing
-tier is counted and skipped, never fatal. One scheduler thread drives a StageCache.
+:class:`StageCache` drives unit stores (FileStore, RedisStore) for a stage's layers, a region
+row being exactly the stage's unit: one batch job per tier and call, so nothing waits for
+I/O unless given a timeout; a fill is ready only once its unit was read and verified (a bad
+unit is a miss), and a failing tier is counted and skipped. One scheduler thread drives it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import check_int, check_seconds
 from ..units.jobs import IOJob
 from ..units.namespace import StoreNamespace
 from ..units.tier import LoadItem, StoreItem
@@ -144,7 +143,7 @@ class _Op:  # one block's part of a submitted fill or store
 
 
 @dataclass
-class _Flight:  # a submitted batch job and its blocks
+class _Flight:  # a submitted batch job and its blocks (none: a lookup nobody waits for)
     kind: str
     tier: int
     job: IOJob
@@ -161,11 +160,9 @@ class _Search:  # a lookup past the region: blocks found so far, this round's jo
 
 class StageCache:
     """Region pages of one pipeline stage (``layers = (first, end)``), backed by tiers.
-
     ``region``: a region (``.tensor``) or its rows, uint8 ``(manager.num_pages, row_bytes)``
     in CPU memory, row ``p`` holding page ``p``. ``namespace``: built from ALL layers of the
-    model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here.
-    """
+    model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here."""
 
     def __init__(
         self,
@@ -185,8 +182,7 @@ class StageCache:
             raise TypeError(f"layers: expected (first, end), got {layers!r}")
         first = check_int("layers[0]", layers[0], minimum=0, maximum=namespace.num_layers - 1)
         end = check_int("layers[1]", layers[1], minimum=first + 1, maximum=namespace.num_layers)
-        self.manager, self.namespace = manager, namespace
-        self.first, self.end = first, end
+        self.manager, self.namespace, self.first, self.end = manager, namespace, first, end
         self.row_bytes = namespace.layer_bytes(first, end)
         self.tiers = list(tiers)
         for i, tier in enumerate(self.tiers):
@@ -202,21 +198,19 @@ class StageCache:
         self.names = [f"{i}:{type(t).__name__}" for i, t in enumerate(self.tiers)]
         if names is not None:
             self.names = list(names)
-            if len(set(names)) != len(self.tiers) or not all(
-                isinstance(n, str) and n for n in names
-            ):
+            valid = all(isinstance(n, str) and n for n in self.names)
+            if not valid or len(set(self.names)) != len(self.tiers):
                 raise ValueError(
                     f"names: expected {len(self.tiers)} distinct non-empty names, got {names!r}"
                 )
         self.rows: np.ndarray | None = self._rows(region)
         self._filler = f"stage[{first},{end})"
-        fields = [f.name for f in dataclasses.fields(TierCounters)][1:-1]
-        self._counts = [dict.fromkeys(fields, 0) for _ in self.tiers]
-        self._last_error = [""] * len(self.tiers)
-        self._lookup_counts = dict(blocks=0, region=0, tiers=0, misses=0)
+        fields = [f.name for f in dataclasses.fields(TierCounters)][1:]  # all but the name
+        self._counts = [{**dict.fromkeys(fields, 0), "last_error": ""} for _ in self.tiers]
+        # Blocks looked up, then of those: found in the region, in the tiers, missed.
+        self._lookup_counts = np.zeros(4, dtype=np.int64)
         self._flights: list[_Flight] = []
         self._searches: dict[tuple[Hashable, ...], _Search] = {}
-        self._orphans: list[tuple[int, IOJob]] = []  # lookup jobs nobody waits for any more
         # page -> (generation, tier) of pages filled from a tier: never stored back there.
         self._origin: dict[int, tuple[int, int]] = {}
 
@@ -225,13 +219,9 @@ class StageCache:
         try:
             flat = as_byte_view(tensor, writable=True, name="region")
         except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"region: expected a region or its uint8 CPU rows ({error})"
-            ) from None
-        shape, expected = (
-            tuple(getattr(tensor, "shape", ())),
-            (self.manager.num_pages, self.row_bytes),
-        )
+            raise type(error)(f"region: expected a region or uint8 CPU rows ({error})") from None
+        shape = tuple(getattr(tensor, "shape", ()))
+        expected = (self.manager.num_pages, self.row_bytes)
         if shape != expected or len(flat) != expected[0] * expected[1]:
             raise ValueError(
                 f"region: expected rows of shape {expected} (a page of the manager each, the "
@@ -253,7 +243,7 @@ class StageCache:
 
     def _failed(self, tier: int, what: str) -> None:
         self._counts[tier]["errors"] += 1
-        self._last_error[tier] = what
+        self._counts[tier]["last_error"] = what
 
     def _check_open(self) -> None:
         if self.rows is None:
@@ -261,11 +251,8 @@ class StageCache:
 
     @staticmethod
     def _deadline(timeout: float | None) -> float | None:
-        if timeout is None:
-            return None
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise ValueError(f"timeout: expected seconds >= 0 or None, got {timeout!r}")
-        return time.monotonic() + timeout
+        timeout = check_seconds("timeout", timeout, optional=True, zero=True)
+        return None if timeout is None else time.monotonic() + timeout
 
     # ------------------------------------------------------------------ lookup
 
@@ -288,11 +275,8 @@ class StageCache:
                     self._drop(self._searches.pop(next(iter(self._searches))))
                 return TierLookup(in_region, 0, (), pending=True)
             sources = search.sources
-        c = self._lookup_counts
-        c["blocks"] += len(hashes)
-        c["region"] += in_region
-        c["tiers"] += len(sources)
-        c["misses"] += len(hashes) - in_region - len(sources)
+        found = len(sources)
+        self._lookup_counts += (len(hashes), in_region, found, len(hashes) - in_region - found)
         return TierLookup(in_region, len(sources), tuple(sources))
 
     def _advance(self, search: _Search, deadline: float | None) -> bool:
@@ -341,7 +325,7 @@ class StageCache:
         """Leave the search's unanswered jobs to :meth:`poll` to collect."""
         for t, job in enumerate(search.jobs or ()):
             if job is not None:
-                self._orphans.append((t, job))
+                self._flights.append(_Flight("lookup", t, job, []))
         search.jobs = None
 
     # ------------------------------------------------------------------ fetch
@@ -368,24 +352,16 @@ class StageCache:
             )
         targets = hashes[found.in_region : found.total]
         pages = self._allocate_fills(targets)
-        present = refused = 0
+        present = 0
         by_tier: dict[int, list[_Op]] = {}
         for block_hash, page, source in zip(targets, pages, found.sources):
             if page is None:  # present (stored or filled) already, or no page to spare now
                 present += self.manager.page_of(block_hash) is not None
-                refused += self.manager.page_of(block_hash) is None
                 continue
             op = _Op(block_hash, page, self.manager.generation(page))
             by_tier.setdefault(source, []).append(op)
-        placed: set[int] = set()
-        for t, ops in by_tier.items():
-            items = [
-                LoadItem(op.block_hash, self.first, self.end, self.rows[op.page]) for op in ops
-            ]
-            if self._submit("fill", t, ops, items):
-                placed.update(op.page for op in ops)
-            else:
-                refused += len(ops)
+        placed = {op.page for op in self._submit("fill", by_tier)}
+        refused = len(targets) - present - len(placed)  # no page to spare, or the tier refused
         out = tuple(p if p in placed else None for p in pages)
         return FetchResult(len(placed), present, refused, out)
 
@@ -401,27 +377,37 @@ class StageCache:
             return pages + [None] * (len(targets) - count)
         return [None] * len(targets)
 
-    def _submit(self, kind: str, tier: int, ops: list[_Op], items: list[Any]) -> bool:
-        """One batch job of ``items`` on ``tier``; on refusal or a raising tier, undo the ops
-        (fills freed, store pins dropped) and return False."""
-        counts = self._counts[tier]
-        counts[f"{kind}s_submitted"] += len(ops)
-        try:
-            store = self.tiers[tier]
-            job = store.submit_loads(items) if kind == "fill" else store.submit_stores(items)
-        except Exception as error:  # a failing tier: nothing of this is done now
-            self._failed(tier, f"{type(error).__name__}: {error}")
-            job = None
-        if job is not None and not job.refused:
-            self._flights.append(_Flight(kind, tier, job, ops))
-            return True
-        counts[f"{kind}s_refused"] += len(ops)
-        if kind == "fill":
-            for op in ops:
-                self.manager.fail_fill(op.page, generation=op.generation)
-        else:
-            self.manager.release([op.page for op in ops])
-        return False
+    def _submit(self, kind: str, by_tier: dict[int, list[_Op]]) -> list[_Op]:
+        """One batch job per tier of its ops' rows; the ops submitted. Those of a refused job
+        or a raising tier are undone (fills freed, store pins dropped)."""
+        rows, first, end = self.rows, self.first, self.end
+        submitted: list[_Op] = []
+        for tier, ops in by_tier.items():
+            counts = self._counts[tier]
+            counts[f"{kind}s_submitted"] += len(ops)
+            try:
+                if kind == "fill":
+                    items = [LoadItem(o.block_hash, first, end, rows[o.page]) for o in ops]
+                    job = self.tiers[tier].submit_loads(items)
+                else:
+                    items = [
+                        StoreItem(o.block_hash, first, rows[o.page], o.position, end) for o in ops
+                    ]
+                    job = self.tiers[tier].submit_stores(items)
+            except Exception as error:  # a failing tier: nothing of this is done now
+                self._failed(tier, f"{type(error).__name__}: {error}")
+                job = None
+            if job is not None and not job.refused:
+                self._flights.append(_Flight(kind, tier, job, ops))
+                submitted += ops
+                continue
+            counts[f"{kind}s_refused"] += len(ops)
+            if kind == "fill":
+                for op in ops:
+                    self.manager.fail_fill(op.page, generation=op.generation)
+            else:
+                self.manager.release([op.page for op in ops])
+        return submitted
 
     # ------------------------------------------------------------------ persist
 
@@ -476,16 +462,8 @@ class StageCache:
                     not_ready += 1
                     break
                 per_tier.setdefault(t, []).append(_Op(block_hash, page, generation, position))
-        submitted = refused = 0
-        for t, ops in per_tier.items():
-            items = [
-                StoreItem(op.block_hash, self.first, self.rows[op.page], op.position, self.end)
-                for op in ops
-            ]
-            if self._submit("store", t, ops, items):
-                submitted += len(ops)
-            else:
-                refused += len(ops)
+        submitted = len(self._submit("store", per_tier))
+        refused = sum(map(len, per_tier.values())) - submitted
         return PersistResult(submitted, not_ready, refused, skipped)
 
     # ------------------------------------------------------------------ completion
@@ -507,13 +485,6 @@ class StageCache:
         self._flights = still
         if unpin:  # one release: a prefix's pages equally recent, its tail evicted first
             self.manager.release([op.page for op in sorted(unpin, key=lambda op: op.position)])
-        orphans = []
-        for t, job in self._orphans:
-            if job.done:
-                self.tiers[t].wait(job, 0)
-            else:
-                orphans.append((t, job))
-        self._orphans = orphans
         return events
 
     def _finish(self, flight: _Flight, unpin: list[_Op]) -> list[TierEvent]:
@@ -551,7 +522,7 @@ class StageCache:
         and tools; a scheduler loop polls). TimeoutError after ``timeout`` seconds."""
         self._check_open()
         deadline = self._deadline(timeout)
-        for flight in list(self._flights):
+        for flight in [f for f in self._flights if f.ops]:  # not the dropped lookups
             if not self._wait(flight.tier, flight.job, deadline):
                 raise TimeoutError(
                     f"{self.in_flight} tier operation(s) of layers [{self.first}, {self.end}) "
@@ -573,20 +544,12 @@ class StageCache:
     def metrics(self) -> StageCacheMetrics:
         """This stage's counters, per tier (each tier's own: ``tier.metrics()``)."""
         fills = sum(len(f.ops) for f in self._flights if f.kind == "fill")
-        c = self._lookup_counts
-        return StageCacheMetrics(
-            layers=(self.first, self.end),
-            lookup_blocks=c["blocks"],
-            region_hit_blocks=c["region"],
-            tier_hit_blocks=c["tiers"],
-            miss_blocks=c["misses"],
-            fills_in_flight=fills,
-            stores_in_flight=self.in_flight - fills,
-            tiers=tuple(
-                TierCounters(name=name, last_error=error, **counts)
-                for name, error, counts in zip(self.names, self._last_error, self._counts)
-            ),
+        tiers = tuple(
+            TierCounters(name, **counts) for name, counts in zip(self.names, self._counts)
         )
+        lookups = map(int, self._lookup_counts)  # the lookup, region hit, tier hit, miss blocks
+        layers = (self.first, self.end)
+        return StageCacheMetrics(layers, *lookups, fills, self.in_flight - fills, tiers)
 
 
 # A status other than "ok" -> the counter it bumps ("expired": past the tier's deadline).

@@ -21,6 +21,7 @@ from layouts import RankContext
 from layouts.spec import dtype_name
 from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mappings
 
+from .. import ops
 from ..checks import check_int
 from ..plan import make_plan
 from ..units import fsutil
@@ -48,11 +49,8 @@ def split_stage_layers(
     first = check_int("first", first, minimum=0, maximum=max(0, len(kinds) - 1))
     end = check_int("end", end, minimum=first + 1, maximum=len(kinds))
     states_before, states_in = sum(kinds[:first]), sum(kinds[first:end])
-    attention_before = first - states_before
-    return (
-        (attention_before, attention_before + (end - first) - states_in),
-        (states_before, states_before + states_in),
-    )
+    attention = (first - states_before, end - states_before - states_in)
+    return attention, (states_before, states_before + states_in)
 
 
 def state_group_mappings(
@@ -110,10 +108,8 @@ def hybrid_namespace(
                 states.append(StateGeometry.from_spec(spec, ctx, tensor_bytes=sizes))
         except (TypeError, ValueError) as error:
             raise type(error)(f"state_specs[{i}]: {error}") from None
-    namespace = StoreNamespace.from_specs(
-        model, attention_specs, ctx, kv_quant=kv_quant, **from_specs
-    )
-    return replace(namespace, states=tuple(states))
+    base = StoreNamespace.from_specs(model, attention_specs, ctx, kv_quant=kv_quant, **from_specs)
+    return replace(base, states=tuple(states))
 
 
 def state_page_manager(
@@ -154,21 +150,18 @@ def state_shard(
             parts[seg.tensor].append(data)
         else:
             raise ValueError(f"tp: {seg.name} has {seg.units} units, which tp={tp} cannot shard")
-    conv = np.concatenate(parts[0], axis=1)  # (outer, channels, inner)
-    ssm = np.concatenate(parts[1], axis=1)
+    conv, ssm = (np.concatenate(part, axis=1) for part in parts)  # (outer, channels, inner)
     # SD: (state_len, channels, 1) -> (state_len, channels); DS: (1, channels, state_len).
     conv = conv[0] if spec.conv_layout == "DS" else conv[:, :, 0]
     return conv, ssm[0].reshape(ssm.shape[1], *spec.ssm_head_shape())
 
 
 class StateWorker:
-    """One rank's state layers of one pipeline stage <-> the stage's state region rows.
-
-    ``state_caches[l]``: layer ``l``'s ``(conv, ssm)``, ``(num_slots, ...)`` with contiguous
-    slots, exactly what ``layouts.state`` says this rank holds (an opaque layer: stored
-    whole). ``rows``: uint8 ``(num_pages, row_bytes)``, a row per state unit. One op call
-    per direction; stores write only the bytes this rank is elected for.
-    """
+    """One rank's state layers of one pipeline stage <-> the stage's state region rows
+    (uint8 ``(num_pages, row_bytes)``, a row per state unit). ``state_caches[l]``: layer
+    ``l``'s ``(conv, ssm)``, ``(num_slots, ...)`` with contiguous slots, exactly what
+    ``layouts.state`` says this rank holds (an opaque layer: stored whole). One op call per
+    direction; stores write only the bytes this rank is elected for."""
 
     def __init__(
         self,
@@ -188,10 +181,8 @@ class StateWorker:
             )
         self.ctx, self.specs = ctx, list(specs)
         self.state_caches = [tuple(pair) for pair in state_caches]
-        sizes = [
-            self._check_layer(i, s, p)
-            for i, (s, p) in enumerate(zip(self.specs, self.state_caches))
-        ]
+        pairs = zip(self.specs, self.state_caches)
+        sizes = [self._check_layer(i, spec, pair) for i, (spec, pair) in enumerate(pairs)]
         self.groups = state_group_mappings(self.specs, ctx, tensor_bytes=sizes)
         self.mappings = [group[ctx.rank] for group in self.groups]
         self.row_bytes = sum(layer.canonical_bytes for layer in self.mappings)
@@ -212,6 +203,12 @@ class StateWorker:
             position += layer.canonical_bytes
         self._tensors = tensors
         self.plan = make_plan(mappings, tensors, rows, area_offsets=offsets)
+        # State layer -> why it is stored opaquely (only the same topology reads it).
+        self.fallback_reasons = {
+            i: layer.fallback_reason
+            for i, layer in enumerate(self.mappings)
+            if layer.fallback_reason is not None
+        }
 
     def _check_layer(
         self, index: int, spec: StateSpec | None, pair: Sequence[torch.Tensor]
@@ -233,10 +230,9 @@ class StateWorker:
                 raise ValueError(
                     f"{where}: expected each slot contiguous, got strides {tensor.stride()}"
                 )
-            if spec is not None and dtype_name(tensor.dtype) != spec.dtypes[t]:
-                raise ValueError(
-                    f"{where}: expected dtype {spec.dtypes[t]}, got {dtype_name(tensor.dtype)}"
-                )
+            dtype = dtype_name(tensor.dtype)
+            if spec is not None and dtype != spec.dtypes[t]:
+                raise ValueError(f"{where}: expected dtype {spec.dtypes[t]}, got {dtype}")
             if shapes is not None and tuple(tensor.shape[1:]) != shapes[t]:
                 raise ValueError(
                     f"{where}: expected slots of shape {shapes[t]} ({spec.kind} at "
@@ -246,29 +242,16 @@ class StateWorker:
         return sizes
 
     @property
-    def fallback_reasons(self) -> dict[int, str]:
-        """State layer -> why it is stored opaquely (only the same topology reads it)."""
-        return {
-            i: layer.fallback_reason
-            for i, layer in enumerate(self.mappings)
-            if layer.fallback_reason is not None
-        }
-
-    @property
     def is_topology_independent(self) -> bool:
         """Every state layer certified: readable at any TP."""
         return not self.fallback_reasons
 
     def store(self, *, slot_ids: Any, page_ids: Any) -> None:
         """Slots ``slot_ids`` -> state rows ``page_ids`` (this rank's elected bytes)."""
-        from .. import ops
-
         ops.store(self._tensors, self.rows, self.plan, slot_ids, page_ids)
 
     def load(self, *, slot_ids: Any, page_ids: Any) -> None:
         """State rows ``page_ids`` -> slots ``slot_ids`` (this rank's shard)."""
-        from .. import ops
-
         ops.load(self._tensors, self.rows, self.plan, slot_ids, page_ids)
 
 

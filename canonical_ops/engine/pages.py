@@ -1,13 +1,11 @@
 """Scheduler-side bookkeeping of canonical pages: block hash -> page, readiness, LRU, pins.
 
-A page goes ``free -> pending -> ready``. :meth:`PageManager.allocate` gives it to a block
-hash; it turns ready only when every elected writer rank reported its store (a canonical
-page is assembled from several ranks' bytes, so one rank's report never says it is
-complete), or, for a page *filled* by a tier (``allocate(..., filler=)``), when the tier's
-job reports its unit verified. Every allocation bumps the page's generation, and a report
-must name the generation it stored: a late report of an abandoned store never counts toward
-the block the page holds since. Ready pages with no load holding them are evicted least
-recently used first, the tail of a prefix before its head. Pure Python and thread-safe.
+A page goes ``free -> pending -> ready``: ready once every elected writer rank reported its
+store (a canonical page is assembled from several ranks' bytes), or, for a page *filled* by
+a tier (``allocate(..., filler=)``), once the tier's job verified its unit. A report names
+the generation (bumped by every allocation) it stored, so a late report of an abandoned
+store never counts. Unpinned ready pages are evicted least recently used first, a prefix's
+tail before its head. Pure Python and thread-safe.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -33,11 +31,9 @@ READY: PageState = "ready"
 
 
 class PageCapacityError(RuntimeError):
-    """Not enough free or evictable pages for an allocation; nothing was allocated.
-
-    ``needed``: pages the request needed; ``free``: free pages; ``evictable``: ready,
-    unreferenced pages it could have evicted (its own hashes' pages not counted).
-    """
+    """Not enough free or evictable pages for an allocation (nothing was allocated):
+    ``needed`` pages, ``free`` ones and ``evictable`` ones (ready, unreferenced, not the
+    request's own hashes' pages)."""
 
     def __init__(self, needed: int, free: int, evictable: int) -> None:
         self.needed, self.free, self.evictable = needed, free, evictable
@@ -79,9 +75,8 @@ class PageManager:
         self._num_pages = check_int("num_pages", num_pages, minimum=1)
         self._num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         if writer_ranks is not None and not callable(writer_ranks):
-            raise TypeError(
-                f"writer_ranks: expected a callable or None, got {type(writer_ranks).__name__}"
-            )
+            got = type(writer_ranks).__name__
+            raise TypeError(f"writer_ranks: expected a callable or None, got {got}")
         everyone = frozenset(range(self._num_ranks))
         self._writer_ranks = writer_ranks or (lambda _page: everyone)
         self._lock = threading.Lock()
@@ -133,9 +128,8 @@ class PageManager:
     # ----------------------------------------------------------------- checks
 
     def _page(self, page_id: object, name: str = "page_id") -> int:
-        return check_int(
-            name, page_id, minimum=0, maximum=self._num_pages - 1, error=PageStateError
-        )
+        last = self._num_pages - 1
+        return check_int(name, page_id, minimum=0, maximum=last, error=PageStateError)
 
     @staticmethod
     def _generation_arg(generation: object, name: str = "generation") -> int:
@@ -196,7 +190,7 @@ class PageManager:
         """Pop the heap entries of the ``count`` least recent evictable pages not protected
         (the caller checked there are enough, and commits or pushes them back)."""
         taken: list[tuple[int, int, int]] = []
-        skipped = []
+        skipped: list[tuple[int, int, int]] = []
         while len(taken) < count:
             entry = heapq.heappop(self._heap)
             if self._evictable.get(entry[2]) != entry[:2]:
@@ -233,8 +227,7 @@ class PageManager:
                 if page is None or self._state[page] != READY:
                     break
                 prefix.append(page)
-            if prefix:
-                self._use(prefix)
+            self._use(prefix)
             return len(prefix)
 
     def allocate(
@@ -299,18 +292,7 @@ class PageManager:
         rank = check_int("rank", rank, minimum=0, maximum=self._num_ranks - 1, error=PageStateError)
         generation = self._generation_arg(generation)
         with self._lock:
-            current = self._generation[page]
-            if generation != current:
-                why = (
-                    "that generation was never allocated"
-                    if generation > current
-                    else f"the store of generation {generation} was abandoned and the page "
-                    "allocated again; its late report does not count"
-                )
-                raise PageStateError(
-                    f"generation: expected page {page}'s current generation {current}, "
-                    f"got {generation}: {why}"
-                )
+            self._check_generation(page, generation, "store")
             store = self._pending.get(page)
             if store is None:
                 raise PageStateError(
@@ -360,15 +342,26 @@ class PageManager:
                     failed.append(page)
             return failed
 
+    def _check_generation(self, page: int, generation: int, kind: str) -> None:
+        """PageStateError unless ``generation`` is ``page``'s current one (lock held): a late
+        report of an abandoned ``kind`` ("store" or "fill") names an older one."""
+        current = self._generation[page]
+        if generation != current:
+            why = (
+                "that generation was never allocated"
+                if generation > current
+                else f"the {kind} of generation {generation} was abandoned and the page "
+                "allocated again; its late report does not count"
+            )
+            raise PageStateError(
+                f"generation: expected page {page}'s current generation {current}, got "
+                f"{generation}: {why}"
+            )
+
     def _fill(self, page_id: int, generation: int, what: str) -> int:
         """The page of a pending fill at ``generation`` (lock held); PageStateError else."""
         page = self._page(page_id)
-        current = self._generation[page]
-        if generation != current:
-            raise PageStateError(
-                f"generation: expected page {page}'s current generation {current}, got "
-                f"{generation}: a {what} names the generation read right after allocate"
-            )
+        self._check_generation(page, self._generation_arg(generation), "fill")
         store = self._pending.get(page)
         if store is None or store.filler is None:
             state = "being stored by ranks" if store is not None else self._state[page]
@@ -380,14 +373,12 @@ class PageManager:
 
     def complete_fill(self, page_id: int, *, generation: int) -> None:
         """A tier's fill of page ``page_id`` read and verified its unit: the page is ready."""
-        generation = self._generation_arg(generation)
         with self._lock:
             self._ready_locked(self._fill(page_id, generation, "complete_fill"))
 
     def fail_fill(self, page_id: int, *, generation: int) -> None:
         """A tier's fill failed (missing, corrupt, error, refused): the page is free again and
         its hash forgotten, so the block is a miss; whatever the job wrote is never served."""
-        generation = self._generation_arg(generation)
         with self._lock:
             self._free_locked(self._fill(page_id, generation, "fail_fill"))
 
@@ -416,9 +407,7 @@ class PageManager:
         0 is evictable again, used by this call at its first position in ``page_ids``."""
         pages = [self._page(p, f"page_ids[{i}]") for i, p in enumerate(page_ids)]
         with self._lock:
-            counts: dict[int, int] = {}
-            for page in pages:
-                counts[page] = counts.get(page, 0) + 1
+            counts = Counter(pages)  # in order of first position
             for page, count in counts.items():
                 if count > self._refcount[page]:
                     raise PageStateError(

@@ -1,12 +1,11 @@
 """One /dev/shm region of canonical rows, shared by every rank (process) of a node.
 
-Rank 0 creates ``<shm_dir>/canonical-kv-<engine id>`` (0600, after a free-space check), maps
-it, asks for huge pages, prefaults and, with CUDA, pins it, then marks it ready. Every other
-rank waits for that file, refuses anything but a private regular file of this user with the
-same geometry, maps and pins it, and counts itself in. The rank completing the count unlinks
-the file, and so does rank 0's close: from then on the memory lives exactly as long as some
-rank maps it, so a crash leaks nothing. A file whose rank 0 died (a crashed run) is replaced
-by the next rank 0. The file is a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``.
+Rank 0 creates ``<shm_dir>/canonical-kv-<engine id>`` (0600, after a free-space check), maps,
+prefaults and (with CUDA) pins it, then marks it ready. Every other rank waits for it,
+refuses anything but a private regular file of this user with the same geometry, maps and
+pins it, and counts itself in; the rank completing the count unlinks the file, and so does
+rank 0's close, so a crash leaks nothing. A crashed run's file is replaced by the next
+rank 0. Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, check_seconds
 from ..units.liveness import ProcessId, process_alive, this_process
 
 __all__ = ["RegionSpaceError", "SharedOffloadRegion", "region_path"]
@@ -141,22 +140,15 @@ class SharedOffloadRegion:
     ) -> None:
         self.closed, self._unlinked = True, False  # closed until set up: __del__ stays harmless
         self._fd = self._dir = -1
-        self._mmap: mmap.mmap | None = None
-        self._tensor: torch.Tensor | None = None
+        self._mmap = self._tensor = self._stat = None  # mmap, its tensor, the file's stat
         self._pinned: list[int] = []
-        self._stat: os.stat_result | None = None
         self.path = region_path(engine_id, shm_dir)
         self.engine_id, self.shm_dir, self._name = engine_id, shm_dir, os.path.basename(self.path)
         self.num_rows = check_int("num_rows", num_rows, minimum=1)
         self.row_bytes = check_int("row_bytes", row_bytes, minimum=1)
         self.world_size = check_int("world_size", world_size, minimum=1, maximum=MAX_WORLD_SIZE)
         self.rank = check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
-        number = not isinstance(attach_timeout_s, bool) and isinstance(
-            attach_timeout_s, (int, float)
-        )
-        if not (number and attach_timeout_s >= 0):
-            bad = ValueError if number else TypeError
-            raise bad(f"attach_timeout_s: expected seconds >= 0, got {attach_timeout_s!r}")
+        self._timeout = check_seconds("attach_timeout_s", attach_timeout_s, zero=True)
         if free_bytes is not None:
             free_bytes = check_int("free_bytes", free_bytes, minimum=0)
         if pin and not torch.cuda.is_available():
@@ -165,7 +157,7 @@ class SharedOffloadRegion:
                 "cudaHostRegister the region (pass pin=False or pin=None)"
             )
         self._pin = torch.cuda.is_available() if pin is None else bool(pin)
-        self._free_bytes, self._timeout = free_bytes, float(attach_timeout_s)
+        self._free_bytes = free_bytes
         self.data_bytes = self.num_rows * self.row_bytes
         self.size_bytes = HEADER_BYTES + self.data_bytes
         self.is_creator = self.rank == 0
@@ -224,9 +216,7 @@ class SharedOffloadRegion:
             except FileExistsError:
                 self._remove_stale(deadline)
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        errno.ETIMEDOUT, "cannot create the region", self.path
-                    ) from None
+                    raise TimeoutError(errno.ETIMEDOUT, "cannot create region", self.path) from None
         fd = self._fd
         fcntl.flock(fd, fcntl.LOCK_EX)  # a new rank 0 waits for it; attachers wait for READY
         self._stat = os.fstat(fd)
@@ -323,10 +313,8 @@ class SharedOffloadRegion:
             if header is None or header.state != STATE_READY:
                 reason = "rank 0 is still setting it up"
             elif header.version == FORMAT_VERSION and process_alive(header.creator) is False:
-                reason = (
-                    f"the file is left by a crashed run: its rank 0 (pid {header.creator[1]}) "
-                    "is gone; this run's rank 0 replaces it"
-                )
+                gone = f"its rank 0 (pid {header.creator[1]}) is gone"
+                reason = f"the file is left by a crashed run: {gone}; this run's rank 0 replaces it"
             else:
                 self._check_header(header, st)
                 self._fd, self._stat = fd, st
@@ -381,22 +369,16 @@ class SharedOffloadRegion:
         except OSError as error:
             if error.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO):
                 raise
-            why = "a symlink" if error.errno == errno.ELOOP else "not this user's file"
-            raise PermissionError(
-                error.errno, f"refusing the region path: it is {why}", self.path
-            ) from None
+            why = "it is a symlink" if error.errno == errno.ELOOP else "not this user's file"
+            raise PermissionError(error.errno, f"refusing region path: {why}", self.path) from None
         st = os.fstat(fd)
         mode = stat.filemode(st.st_mode)
-        problem = None
-        if not stat.S_ISREG(st.st_mode):
-            problem = f"not a regular file ({mode})"
-        elif st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            problem = f"not private to this user (uid {st.st_uid}, mode {mode})"
+        problem = None if stat.S_ISREG(st.st_mode) else f"it is not a regular file ({mode})"
+        if not problem and (st.st_uid != os.geteuid() or st.st_mode & 0o077):
+            problem = f"it is not private to this user (uid {st.st_uid}, mode {mode})"
         if problem:
             os.close(fd)
-            raise PermissionError(
-                errno.EPERM, f"refusing the region path: it is {problem}", self.path
-            )
+            raise PermissionError(errno.EPERM, f"refusing region path: {problem}", self.path)
         return fd
 
     def _lock(self, fd: int, deadline: float) -> None:
@@ -442,10 +424,8 @@ class SharedOffloadRegion:
         if self._pin:
             from ..transfer import register_host_memory
 
-            address = self._tensor.data_ptr()
-            self._pinned = register_host_memory(
-                address, self.data_bytes, chunk_bytes=PIN_CHUNK_BYTES
-            )
+            address, size = self._tensor.data_ptr(), self.data_bytes
+            self._pinned = register_host_memory(address, size, chunk_bytes=PIN_CHUNK_BYTES)
 
     def _prefault(self, mm: mmap.mmap, *, creator: bool) -> None:
         """Fault every page in now, not in the first transfers. ``MADV_POPULATE_WRITE`` keeps
@@ -456,9 +436,7 @@ class SharedOffloadRegion:
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 why = f"{os.strerror(e.errno)}; {self.shm_dir} too small? (docker: --shm-size)"
-                raise RegionSpaceError(
-                    e.errno, f"cannot populate the region: {why}", self.path
-                ) from e
+                raise RegionSpaceError(e.errno, f"cannot populate region: {why}", self.path) from e
         pages = np.frombuffer(mm, dtype=np.uint8)[:: mmap.PAGESIZE]
         if creator:
             pages[:] = 0

@@ -1,17 +1,12 @@
-"""The standalone engine's per-rank offload worker: mappings and plan built once, then
-each ``store`` / ``load`` is one op call (one kernel launch on CUDA, one parallel loop on
-CPU), run as a job by the ops core's :class:`~canonical_ops.transfer.TransferQueue`.
-
-Construction checks every layer's tensor against its ``LayerSpec``, derives the group's
-mappings (opaque fallback where a layer cannot be certified, for every rank alike), checks
-the rows and builds the plan; every call re-checks that the tensors are still those.
-"""
+"""The standalone engine's per-rank offload worker: mappings and plan built once (every
+layer's tensor checked against its ``LayerSpec``, opaque fallback where a layer cannot be
+certified), then each ``store`` / ``load`` is one op call run as a job by the ops core's
+:class:`~canonical_ops.transfer.TransferQueue`; every call re-checks the tensors."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,78 +29,60 @@ from ..plan import (
     canonical_row_bytes,
     check_layer_lists,
     default_area_offsets,
-    describe_tensor,
     make_plan,
     spec_mismatch,
 )
 from ..transfer import PlanCall, QueuedTransfer, TransferQueue
 
-__all__ = [
-    "OffloadWorker",
-    "TransferJob",
-    "canonical_row_bytes",
-    "group_layer_mappings",
-    "spec_mismatch",
-]
+__all__ = ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
+__all__ += ["spec_mismatch"]
 
 
-def _check_scales(
-    kv_caches: Sequence[torch.Tensor],
-    specs: Sequence[LayerSpec | None],
-    scales: Sequence[KVScales | None] | None,
-    scale_caches: Sequence[torch.Tensor | None] | None,
-) -> tuple[list[KVScales | None], list[torch.Tensor | None], list[LayerSpec | None]]:
-    """Each layer's scales, scale tensor and scale page spec (None where it has none), checked."""
+def _check_scales(kv_caches, specs, scales, scale_caches) -> tuple[list, list, list]:
+    """Each layer's scales, scale tensor and scale page spec (None where it has none), checked
+    (the arguments are :class:`OffloadWorker`'s)."""
     count = len(kv_caches)
     for name, given in (("scales", scales), ("scale_caches", scale_caches)):
         if given is not None and (
             isinstance(given, (torch.Tensor, KVScales, str)) or len(given) != count
         ):
-            raise ValueError(
-                f"{name}: expected one entry (or None) per kv cache ({count}), got "
-                f"{'one' if isinstance(given, (torch.Tensor, KVScales)) else len(given)}"
-            )
+            got = "one" if isinstance(given, (torch.Tensor, KVScales)) else len(given)
+            raise ValueError(f"{name}: expected one entry (or None) per layer ({count}), got {got}")
     scales = [None] * count if scales is None else list(scales)
     caches = [None] * count if scale_caches is None else list(scale_caches)
     pages: list[LayerSpec | None] = []
     for layer, (kv, spec, scale, cache) in enumerate(zip(kv_caches, specs, scales, caches)):
-        if scale is not None and not isinstance(scale, KVScales):
-            raise TypeError(
-                f"scales[{layer}]: expected layouts.KVScales or None, got {type(scale).__name__}"
-            )
         if scale is not None:
-            if spec is None:
-                raise ValueError(
-                    f"scales[{layer}]: specs[{layer}] is None (layout not recognised); a "
-                    f"scaled layer needs its LayerSpec"
-                )
-            problem = scales_mismatch(spec, scale)
+            if not isinstance(scale, KVScales):
+                got = type(scale).__name__
+                raise TypeError(f"scales[{layer}]: expected layouts.KVScales or None, got {got}")
+            unknown = "it is None (layout not recognised: a scaled layer needs its LayerSpec)"
+            problem = unknown if spec is None else scales_mismatch(spec, scale)
             if problem is not None:
                 raise ValueError(f"scales[{layer}]: cannot scale specs[{layer}]: {problem}")
         page = scale.page_spec(spec) if scale is not None and scale.has_page else None
         pages.append(page)
+        name, got = f"scale_caches[{layer}]", type(cache).__name__
         if page is None:
             if cache is not None:
                 raise ValueError(
-                    f"scale_caches[{layer}]: expected None (layer {layer} has no per-token-head "
-                    f"scales in scales[{layer}]), got {type(cache).__name__}"
+                    f"{name}: expected None (layer {layer} has no per-token-head scales in "
+                    f"scales[{layer}]), got {got}"
                 )
             continue
         if not isinstance(cache, torch.Tensor) or cache.dim() < 1:
             raise ValueError(
-                f"scale_caches[{layer}]: expected the layer's per-token-head scale tensor "
-                f"({page}), got {type(cache).__name__}"
+                f"{name}: expected the layer's per-token-head scales ({page}), got {got}"
             )
         problem = spec_mismatch(cache, page)
         if problem is not None:
             raise ValueError(
-                f"scale_caches[{layer}]: does not match scales[{layer}].page_spec(specs[{layer}]): "
-                f"expected {problem}"
+                f"{name}: does not match scales[{layer}].page_spec(specs[{layer}]): expected {problem}"
             )
         if cache.size(0) != kv.size(0) or cache.device != kv.device:
             raise ValueError(
-                f"scale_caches[{layer}]: expected {kv.size(0)} blocks on {kv.device} like "
-                f"kv_caches[{layer}], got {cache.size(0)} on {cache.device}"
+                f"{name}: expected {kv.size(0)} blocks on {kv.device} like kv_caches[{layer}], "
+                f"got {cache.size(0)} on {cache.device}"
             )
     return scales, caches, pages
 
@@ -116,34 +93,28 @@ def _layout(tensors: Sequence[torch.Tensor | None]) -> list:
 
 def _check_held(name: str, now: Sequence, held: tuple, layout: list) -> None:
     """Refuse tensors replaced, or changed in place, since the plan was built for ``held``."""
-    if len(now) == len(held) and all(map(operator.is_, now, held)) and _layout(now) == layout:
-        return
     if len(now) != len(held):
-        raise ValueError(
-            f"{name}: expected {len(held)} entries (as at construction), got {len(now)}"
-        )
-    for index, (tensor, before, was) in enumerate(zip(now, held, layout)):
+        raise ValueError(f"{name}: expected {len(held)} entries (as built), got {len(now)}")
+    for index, (tensor, before, was, new) in enumerate(zip(now, held, layout, _layout(now))):
         if tensor is not before:
             raise ValueError(
                 f"{name}[{index}]: expected the tensor this worker was built for (its plan and "
                 f"layout checks describe that tensor), got a replaced entry; build a new "
                 f"OffloadWorker for new caches"
             )
-        if was is not None and (tensor.dtype, tensor.shape, tensor.stride()) != was:
-            dtype, shape, stride = was
+        if new != was:
+            built, got = (f"{d} shape {tuple(s)} strides {tuple(st)}" for d, s, st in (was, new))
             raise ValueError(
-                f"{name}[{index}]: expected {dtype} shape {tuple(shape)} strides {stride} (as at "
-                f"construction), got {describe_tensor(tensor)}; the tensor was changed in place "
-                f"since the plan was built"
+                f"{name}[{index}]: expected {built} (as at construction), got {got}; the tensor "
+                f"was changed in place since the plan was built"
             )
 
 
 @dataclass
 class TransferJob:
-    """One submitted store or load: ``num_blocks`` (block, page) pairs moved,
-    ``num_bytes`` local bytes (stores count only the pages this rank writes),
-    ``perf_counter`` stamps (``finished_at`` None while in flight) and the device
-    error of a CUDA job (:class:`~canonical_ops.CanonicalTransferError`)."""
+    """One submitted store or load: ``num_blocks`` (block, page) pairs, ``num_bytes`` local
+    bytes (a store: only the pages this rank writes), ``perf_counter`` stamps (``finished_at``
+    None while in flight), a CUDA job's device error (``CanonicalTransferError``)."""
 
     job_id: int
     kind: str
@@ -171,51 +142,26 @@ class TransferJob:
 class OffloadWorker:
     """Stores and loads this rank's KV blocks to/from canonical pages.
 
-    Parameters
-    ----------
-    kv_caches : sequence of torch.Tensor
-        One per layer, leading dim = blocks (CPU or one CUDA device), laid out exactly
-        as its spec says (:func:`spec_mismatch`). Kept: every call refuses a replaced
-        entry of :attr:`kv_caches` or a tensor whose dtype, shape or strides changed.
-    specs : sequence of LayerSpec or None
-        This rank's page of each layer; None (unrecognised layout): stored opaquely.
-    ctx : RankContext
-        This rank's place in the TP x PCP group.
-    cpu_pages : torch.Tensor or a region exposing ``.tensor``
-        uint8 (num_rows, row_bytes) shared by the group (pinned for CUDA). Without
-        ``area_offsets`` rows are exactly :attr:`row_bytes` (this worker's areas).
-    pages_per_row : int
-        Canonical pages of each layer per row.
-    layer_names : sequence of str, optional
-        Named in tiling errors.
-    area_offsets : sequence of int, optional
-        Each plan entry's area in a row, for rows laid out by someone else (another
-        topology whose opaque pages differ); areas must fit without overlapping.
-    scales : sequence of layouts.KVScales or None, optional
-        Each layer's quantisation scales (None: none).
-    scale_caches : sequence of torch.Tensor or None, optional
-        Each per-token-head scaled layer's scale tensor (exactly
-        ``scales[l].page_spec(specs[l])``, as many blocks as the data), None
-        elsewhere; kept and checked as ``kv_caches``. A row holds a layer's data
-        page, then its scale page; per-tensor scales move no bytes.
+    ``kv_caches``: one tensor per layer (leading dim = blocks; CPU or one CUDA device), laid
+    out exactly as its ``specs`` entry says (:func:`spec_mismatch`; None: an unrecognised
+    layout, stored opaquely). Kept: every call refuses a replaced entry of :attr:`kv_caches`
+    or a tensor whose dtype, shape or strides changed. ``ctx``: this rank in the TP x PCP
+    group. ``cpu_pages``: uint8 ``(num_rows, row_bytes)`` (or a region's ``.tensor``) shared
+    by the group, pinned for CUDA, ``pages_per_row`` canonical pages of each layer per row;
+    rows are exactly :attr:`row_bytes` unless ``area_offsets`` places each plan entry's area
+    (rows laid out by another topology; areas must not overlap). ``layer_names``: named in
+    tiling errors. ``scales``: each layer's ``layouts.KVScales`` or None; ``scale_caches``:
+    each per-token-head scaled layer's scale tensor (exactly ``scales[l].page_spec(specs[l])``,
+    as many blocks as the data), None elsewhere, kept and checked as ``kv_caches``. A row
+    holds a layer's data page, then its scale page; per-tensor scales move no bytes.
 
-    Attributes
-    ----------
-    plan_entries : list of (layer, "kv" | "scales")
-        What the plan moves, in row order (entry ``i`` is layer ``i`` without scales).
-    mappings, group_mappings
-        This rank's / every rank's mapping of each plan entry.
-    fallback_reasons : dict of int to str
-        Layers stored opaquely (readable by this topology only), with the reason.
-    format_id : str or None
-        ``"v1-nhd"`` / ``"v1-hnd"``: how certified pages are encoded (None: mixed
-        orders or no spec).
-    storage_namespace : str
-        What to key persisted pages by: the format id when every layer is certified
-        (the bytes do not depend on TP / DCP / PCP), else with the topology and a
-        digest of the opaque pages appended. Combine it with the model's identity.
-    row_bytes, area_offsets
-        Bytes of this worker's areas in a row; where each entry's area starts.
+    Attributes: ``plan_entries`` (layer, "kv" | "scales") in row order; ``mappings`` /
+    ``group_mappings`` (this rank's / every rank's mapping of each entry);
+    ``fallback_reasons`` (opaque layers, readable by this topology only, and why);
+    ``format_id`` (``"v1-nhd"`` / ``"v1-hnd"``; None: mixed orders or no spec);
+    ``storage_namespace`` (what to key persisted pages by, with the model's identity: the
+    format id when every layer is certified, else with the topology and a digest of the
+    opaque pages appended); ``row_bytes`` and ``area_offsets`` (this worker's areas).
     """
 
     def __init__(
@@ -233,29 +179,16 @@ class OffloadWorker:
     ) -> None:
         check_layer_lists(kv_caches, specs)
         for layer, (kv, spec) in enumerate(zip(kv_caches, specs)):
-            if not isinstance(kv, torch.Tensor) or kv.dim() < 1:
-                raise ValueError(
-                    f"kv_caches[{layer}]: expected a tensor with a leading block dimension, "
-                    f"got {type(kv).__name__}"
-                )
-            if spec is not None and not isinstance(spec, LayerSpec):
-                raise TypeError(
-                    f"specs[{layer}]: expected a LayerSpec or None, got {type(spec).__name__}"
-                )
             problem = None if spec is None else spec_mismatch(kv, spec)
             if problem is not None:
-                raise ValueError(
-                    f"kv_caches[{layer}]: does not match specs[{layer}]: expected {problem}"
-                )
-        self.scales, self.scale_caches, scale_pages = _check_scales(
-            kv_caches, specs, scales, scale_caches
-        )
+                where = f"kv_caches[{layer}]: does not match specs[{layer}]"
+                raise ValueError(f"{where}: expected {problem}")
+        checked = _check_scales(kv_caches, specs, scales, scale_caches)
+        self.scales, self.scale_caches, scale_pages = checked
         self.kv_caches = list(kv_caches)
         # What every call checks: the very tensors (and layouts) the plan was built for.
-        self._held = tuple(self.kv_caches)
-        self._held_layout = _layout(self._held)
-        self._held_scales = tuple(self.scale_caches)
-        self._held_scale_layout = _layout(self._held_scales)
+        held = {"kv_caches": self.kv_caches, "scale_caches": self.scale_caches}
+        self._held = {name: (tuple(ts), _layout(ts)) for name, ts in held.items()}
         self.plan_entries: list[tuple[int, str]] = []
         entry_specs: list[LayerSpec | None] = []
         self._plan_tensors: list[torch.Tensor] = []
@@ -271,44 +204,30 @@ class OffloadWorker:
         self.region = cpu_pages if not isinstance(cpu_pages, torch.Tensor) else None
         self.cpu_pages = cpu_pages if isinstance(cpu_pages, torch.Tensor) else cpu_pages.tensor
         self.pages_per_row = pages_per_row = check_int("pages_per_row", pages_per_row, minimum=1)
-        block_bytes = [kv.stride(0) * kv.element_size() for kv in self.kv_caches]
+        sizes = [kv.stride(0) * kv.element_size() for kv in self.kv_caches]  # bytes per block
+        groups = group_layer_mappings(
+            specs, ctx, fallback_page_sizes=sizes, layer_names=layer_names
+        )
         self.group_mappings = []
-        for layer, group in enumerate(
-            group_layer_mappings(
-                specs, ctx, fallback_page_sizes=block_bytes, layer_names=layer_names
-            )
-        ):
+        ctx_args = (ctx.tp_size, ctx.total_kv_heads, ctx.dcp_size, ctx.pcp_size, ctx.interleave)
+        for layer, group in enumerate(groups):
             if scale_pages[layer] is None:
                 self.group_mappings.append(group)
-                continue
-            # Data and scales certify together (or are both opaque): layouts decides.
-            self.group_mappings.extend(
-                derive_scaled_group_mappings(
-                    specs[layer],
-                    self.scales[layer],
-                    ctx.tp_size,
-                    ctx.total_kv_heads,
-                    ctx.dcp_size,
-                    ctx.pcp_size,
-                    ctx.interleave,
-                    layer_name=layer_names[layer] if layer_names else f"layer {layer}",
-                )
-            )
+            else:  # data and scales certify together (or are both opaque): layouts decides
+                name = layer_names[layer] if layer_names else f"layer {layer}"
+                args = (specs[layer], self.scales[layer], *ctx_args)
+                self.group_mappings.extend(derive_scaled_group_mappings(*args, layer_name=name))
         self.mappings = [group[ctx.rank] for group in self.group_mappings]
         self.fallback_reasons: dict[int, str] = {}
         for (layer, _), group in zip(self.plan_entries, self.group_mappings):
             if group[0].fallback_reason is not None:
                 self.fallback_reasons.setdefault(layer, group[0].fallback_reason)
-        opaque_entries = {
-            entry: self.fallback_reasons[layer]
-            for entry, (layer, _) in enumerate(self.plan_entries)
-            if layer in self.fallback_reasons
-        }
+        opaque = [layer in self.fallback_reasons for layer, _ in self.plan_entries]  # by entry
         orders = {spec.order for spec in specs if spec is not None}
         self.format_id = canonical_format_id(orders.pop()) if len(orders) == 1 else None
         base = self.format_id or f"v{CANONICAL_FORMAT_VERSION}-{'mixed' if orders else 'opaque'}"
         self.storage_namespace = base
-        if opaque_entries:
+        if any(opaque):
             # An opaque page is a rank's physical page verbatim: readable only by a group
             # with the same ranks and the same physical pages, so both go into the name.
             pages = tuple(
@@ -318,7 +237,7 @@ class OffloadWorker:
                     self.mappings[entry].canonical_page_size_bytes,
                 )
                 for entry, t in enumerate(self._plan_tensors)
-                if entry in opaque_entries
+                if opaque[entry]
             )
             topology = (ctx.tp_size, ctx.pcp_size, ctx.dcp_size, ctx.interleave)
             digest = hashlib.sha256(repr(((*topology, ctx.total_kv_heads), pages)).encode())
@@ -346,9 +265,7 @@ class OffloadWorker:
             self.cpu_pages,
             pages_per_row=pages_per_row,
             area_offsets=area_offsets,
-            specs=[
-                None if entry in opaque_entries else spec for entry, spec in enumerate(entry_specs)
-            ],
+            specs=[None if opaque[entry] else spec for entry, spec in enumerate(entry_specs)],
         )
         self.area_offsets = [int(offset) for offset in area_offsets]
         self.device = self.kv_caches[0].device
@@ -368,28 +285,23 @@ class OffloadWorker:
         return not self.fallback_reasons
 
     def _check_kv_caches(self) -> None:
-        _check_held("kv_caches", self.kv_caches, self._held, self._held_layout)
-        if self._held_scales:
-            _check_held(
-                "scale_caches", self.scale_caches, self._held_scales, self._held_scale_layout
-            )
+        for name, (held, layout) in self._held.items():
+            _check_held(name, getattr(self, name), held, layout)
 
     # Tensor-level calls: what a model step would call; traceable by torch.compile.
     def store_tensors(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Launch the store of blocks ``block_ids`` into pages ``page_ids`` on the current
         stream (keyword-only, like :meth:`store`)."""
         self._check_kv_caches()
-        torch.ops.canonical.canonical_store(
-            self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids
-        )
+        op = torch.ops.canonical.canonical_store
+        op(self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids)
 
     def load_tensors(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
         """Launch the load of pages ``page_ids`` into blocks ``block_ids`` on the current
         stream (keyword-only, like :meth:`load`)."""
         self._check_kv_caches()
-        torch.ops.canonical.canonical_load(
-            self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids
-        )
+        op = torch.ops.canonical.canonical_load
+        op(self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids)
 
     def _submit(self, kind: str, block_ids, page_ids) -> TransferJob:
         self._check_kv_caches()
@@ -397,12 +309,10 @@ class OffloadWorker:
         pages = page_ids.cpu().numpy() if isinstance(page_ids, torch.Tensor) else page_ids
         store = kind == "store"
         num_bytes = self._share.store_bytes(pages) if store else self._share.load_bytes(len(pages))
-        transfer = self._queue.submit(
-            store, [PlanCall([(self._plan_tensors, self.plan)], block_ids, page_ids)]
-        )
-        job = TransferJob(
-            next(self._job_ids), kind, len(pages), num_bytes, transfer.started, _transfer=transfer
-        )
+        call = PlanCall([(self._plan_tensors, self.plan)], block_ids, page_ids)
+        transfer = self._queue.submit(store, [call])
+        job = TransferJob(next(self._job_ids), kind, len(pages), num_bytes, transfer.started)
+        job._transfer = transfer
         if transfer.done:  # CPU: ran synchronously
             job.finished_at = transfer.finished
         else:
@@ -410,11 +320,9 @@ class OffloadWorker:
         return job
 
     def store(self, *, block_ids, page_ids) -> TransferJob:
-        """Store blocks into canonical pages (this rank's elected bytes only).
-
-        ``block_ids[i]`` is stored into page ``page_ids[i]`` (1-D integer tensors, arrays
-        or sequences); keyword-only so a store and a load never swap their ids.
-        """
+        """Store block ``block_ids[i]`` into canonical page ``page_ids[i]`` (this rank's
+        elected bytes only; 1-D integer tensors, arrays or sequences); keyword-only so a
+        store and a load never swap their ids."""
         return self._submit("store", block_ids, page_ids)
 
     def load(self, *, block_ids, page_ids) -> TransferJob:

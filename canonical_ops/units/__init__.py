@@ -1,23 +1,18 @@
-"""Persistent, checksummed page store: canonical units (region rows) in files and on Redis / Valkey.
+"""Persistent, checksummed store of canonical units in files and on Redis / Valkey.
 
-A *unit* is one block's canonical pages of a contiguous layer range, exactly a
-region row of the pipeline stage that owns those layers. Units are tagged by a
-:class:`StoreNamespace` (model, format, every layer's geometry; not TP/PP/CP of
-a certified model), encoded once (:mod:`.encoding`, the same bytes in every tier),
-and moved by I/O jobs of a bounded :class:`JobPool`. :class:`FileStore` keeps
-them in files under a directory shared by processes and engines;
-:class:`RedisStore` keeps the same units on a Redis / Valkey server or cluster
-shared by engines on many hosts (batched: one round trip per batch).
+A *unit* is one block's canonical pages of a contiguous layer range (a region row of the
+pipeline stage owning those layers), tagged by a :class:`StoreNamespace` (not TP/PP/CP of a
+certified model) and encoded once (:mod:`.unit`: the same bytes in every store).
+:class:`FileStore` keeps units in files shared by processes and engines, :class:`RedisStore`
+on a Redis / Valkey server or cluster shared by engines on many hosts; both implement
+:class:`UnitStore` (batch-first jobs on a bounded :class:`JobPool`).
 
-Quickstart
-----------
 >>> ns = StoreNamespace.from_specs(ModelIdentity("llama"), [spec] * 32, ctx)  # doctest: +SKIP
 >>> store = FileStore("/var/cache/ckv", ns, capacity_bytes=100 << 30)        # doctest: +SKIP
->>> job = store.submit_store(block_hash, 0, region_row, position=3)          # doctest: +SKIP
->>> store.lookup([block_hash], 0, 32)                                        # doctest: +SKIP
-1
->>> store.load(block_hash, 0, 32, other_row).ok                             # doctest: +SKIP
+>>> store.store(block_hash, 0, region_row, position=3).ok                    # doctest: +SKIP
 True
+>>> store.lookup([block_hash], 0, 32), store.load(block_hash, 0, 32, other_row).ok  # doctest: +SKIP
+(1, True)
 """
 
 from typing import TYPE_CHECKING
@@ -55,36 +50,10 @@ __getattr__, __dir__ = lazy_exports(
 )
 
 __all__ = [
-    "CorruptUnit",
-    "FileStore",
-    "GcReport",
-    "IOJob",
-    "JobOutcome",
-    "JobPool",
-    "LayerGeometry",
-    "LoadItem",
-    "ModelIdentity",
-    "PageTier",
-    "PayloadVerifier",
-    "PoolStats",
-    "RedisStore",
-    "RedisStoreError",
-    "RedisStoreMetrics",
-    "StoreItem",
-    "StoreMetrics",
-    "StoreNamespace",
-    "StoreRootError",
-    "StoreSecret",
-    "TierBase",
-    "TierMetrics",
-    "UnitHeader",
-    "UnitStore",
-    "current_job",
-    "decode_and_verify",
-    "decode_header",
-    "encode_header",
-    "encode_unit",
-    "header_length",
-    "normalize_key",
-    "verify_payload",
-]
+    "CorruptUnit", "FileStore", "GcReport", "IOJob", "JobOutcome", "JobPool", "LayerGeometry",
+    "LoadItem", "ModelIdentity", "PageTier", "PayloadVerifier", "PoolStats", "RedisStore",
+    "RedisStoreError", "RedisStoreMetrics", "StoreItem", "StoreMetrics", "StoreNamespace",
+    "StoreRootError", "StoreSecret", "TierBase", "TierMetrics", "UnitHeader", "UnitStore",
+    "current_job", "decode_and_verify", "decode_header", "encode_header", "encode_unit",
+    "header_length", "normalize_key", "verify_payload",
+]  # fmt: skip

@@ -1,11 +1,8 @@
 """The secret of an authenticated store: units MAC-ed with a key the engines share.
 
-A checksum proves a unit intact, not who wrote it: anyone who may write the store
-directory or the Redis key prefix can publish a unit with a valid XXH3. With a
-:class:`StoreSecret`, units carry HMAC-SHA256-128 over the same bytes instead (unit
-format, ``checksum_algorithm`` 2) and a unit without a valid tag is a miss. The
-namespace then carries the key's id (a keyed digest, never the key), so authenticated
-and plain stores, or stores of two keys, never share a directory, a key or a unit.
+With a :class:`StoreSecret`, units carry HMAC-SHA256-128 over the bytes XXH3 covers (unit
+``checksum_algorithm`` 2) and one without a valid tag is a miss. The namespace carries the
+key's id (never the key): plain stores and stores of other keys never share a unit.
 """
 
 from __future__ import annotations

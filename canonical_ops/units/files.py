@@ -2,21 +2,19 @@
 
 ``root/<namespace hex>/`` holds ``namespace.json`` (for tools), ``tmp/`` (files being
 written), ``quarantine/`` (units that failed verification) and one file per unit at
-``<kd[:2]>/<kd>/<first>-<end>.ckv`` (``kd = key_digest(key)``). Directories are made on
-the first store (a reader leaves nothing behind) and walked by :mod:`.fsutil`; units are
-published by :func:`.fsutil.publish` (first writer wins, crash safe) and read by
-:func:`.unitfile.read_unit` (verified; an expired load never writes its destination). A
-bad unit is quarantined and is a miss. Each process indexes what it knows (:mod:`.policy`).
+``<kd[:2]>/<kd>/<first>-<end>.ckv`` (``kd = key_digest(key)``), made on the first store
+(a reader leaves nothing behind). A job's units are written or read and verified in one
+native call (:mod:`.unitfile`), without the GIL. A bad unit is quarantined and is a miss.
+Each process indexes what it knows (:mod:`.policy`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
 import os
-import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -24,41 +22,31 @@ from typing import Any
 
 import numpy as np
 
+from .. import _unitio
 from ..checks import check_int, check_seconds
-from . import unitfile
-from .fsutil import Perms, UnsafePath, clean_temps, open_dir, open_file, open_root, probe, publish
-from .fsutil import write_all as _write_all
-from .jobs import JobOutcome, JobPool
+from . import fsutil, unitfile
+from .fsutil import Dirs, Perms, StoreRootError, UnsafePath, open_file
+from .jobs import JobOutcome, JobPool, current_job
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy
 from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
-from .unit import CorruptUnit, encode_header, header_length, key_digest
-from .unitfile import O_DIRECT, UNIT_NAME, Found, check_unit, iter_units
+from .unit import CorruptUnit, header_length, key_digest, start_unit
+from .unitfile import UNIT_NAME, Found, check_unit, iter_units
 
-__all__ = [
-    "NAMESPACE_FILE",
-    "FileStore",
-    "GcReport",
-    "StoreMetrics",
-    "StoreRootError",
-    "key_digest",
-]
+__all__ = ["NAMESPACE_FILE", "FileStore", "GcReport", "StoreMetrics", "StoreRootError"]
 
 NAMESPACE_FILE, TMP_DIR, QUARANTINE_DIR = "namespace.json", "tmp", "quarantine"
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-_IO_CHUNK_BYTES = 64 << 20  # largest write syscall (crash tests make it small)
-# Test hook(stage, temp path, bytes written): after each write ("write"), before the link
-# ("publish"); crash tests stop a writer there.
+_VANISHING = "key directory keeps vanishing"
+_UNSAFE_DIR = "expected a directory of this user (or its groups) writable by no one else"
+# Native I/O in pieces that stay in L2 between read (or write) and hash: bench_vllm_tiers.py.
+_IO_CHUNK_BYTES = 256 << 10  # bytes hashed and written per write (crash tests make it small)
+_PIECE_BYTES = 256 << 10  # bytes read and hashed per step (from the page cache: in place)
+_BOUNCE_BYTES = 4 << 20  # bytes read or written at once with O_DIRECT (an aligned buffer)
+_NOWAIT = True  # try the page cache first (RWF_NOWAIT); tests turn it off
+# Test hook(stage, path, bytes): after each write ("write"), before the rename ("publish"),
+# before each read that may block ("read"): tests stop or slow a worker there.
 _test_hook: Callable[[str, str, int], None] | None = None
-
-
-class StoreRootError(OSError):
-    """The root or a directory in it is not a writable directory, or is unsafe."""
-
-
-def unit_path(namespace_dir: str, kd: str, first: int, end: int) -> str:
-    """Path of the unit of key digest ``kd`` and layers ``[first, end)`` (for tools)."""
-    return f"{namespace_dir}/{kd[:2]}/{kd}/{first}-{end}.ckv"
 
 
 @dataclass(frozen=True)
@@ -121,8 +109,9 @@ class FileStore(UnitStore):
     ``threads``/``queue_depth``/``deadline_s``: its own :class:`JobPool` (4, 64, 30 s;
     None: no deadline), or a shared ``pool`` (whose deadline applies). ``fsync``: sync
     data and directories before a unit counts (False: crash safe, not power-loss safe; a
-    torn unit is a miss, never a load). ``direct_io``: O_DIRECT through aligned buffers,
-    where the file system allows it (``store.direct_io`` says what is used).
+    torn unit is a miss, never a load). ``direct_io``: O_DIRECT writes, and O_DIRECT
+    reads of a unit the page cache does not hold (one it holds is read from it), where the
+    file system allows O_DIRECT (``store.direct_io`` says what is used).
     ``group_shared``: dirs 0770 / files 0660 and group-owned dirs trusted (default 0700 /
     0600, this user's only). ``secret``: authenticated units (:mod:`.auth`).
     ``recency_granularity_s``: eviction's recency buckets; ``stale_tmp_s``: age after
@@ -173,17 +162,19 @@ class FileStore(UnitStore):
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._reserved, self._running, self._described = 0, 0, False
         self._removed: list[tuple[bytes, int, int]] = []
-        self._fds: dict[str, int] = {}
-        self._dir_lock, self._scratch = threading.Lock(), threading.local()
+        try:
+            root_fd = fsutil.open_root(self.root, self._perms)
+        except OSError as error:
+            raise StoreRootError(error.errno, f"root: {error.strerror}: {self.root!r}") from None
+        self._dirs = Dirs(root_fd, self.directory, self.namespace.hex, self._perms, self.fsync)
         try:
             try:
-                self._fds["root"] = open_root(self.root, self._perms)
-                self.direct_io = probe(self._fds["root"], bool(direct_io))
+                self.direct_io = fsutil.probe(root_fd, bool(direct_io))
             except OSError as error:
                 raise StoreRootError(
-                    error.errno, f"root: {error.strerror or error}: {self.root!r}"
+                    error.errno, f"root: {error.strerror}: {self.root!r}"
                 ) from None
-            if self._dir("ns") is not None:
+            if self._dirs.get("ns") is not None:
                 self._rescan()
         except BaseException:
             self._close_resources()
@@ -192,46 +183,13 @@ class FileStore(UnitStore):
 
     # ------------------------------------------------------------------ directories
 
-    def _dir(self, name: str, *, create: bool = False) -> int | None:
-        """Directory "ns", "tmp", "quarantine" or a fan-out ("3f"), opened safely once and
-        kept; None when missing (made only with ``create``)."""
-        if (fd := self._fds.get(name)) is not None:
-            return fd
-        parent = self._fds["root"] if name == "ns" else self._dir("ns", create=create)
-        with self._dir_lock:
-            if parent is None or name in self._fds:
-                return self._fds.get(name)
-            sub, what = (
-                (self.namespace.hex, self.directory)
-                if name == "ns"
-                else (name, f"{self.directory}/{name}")
-            )
-            try:
-                fd = open_dir(parent, sub, self._perms, create=create, sync=self.fsync, what=what)
-            except UnsafePath as error:
-                raise StoreRootError(error.errno, str(error)) from None
-            if fd is not None:
-                self._fds[name] = fd
-            return fd
-
-    def _keydir(self, kd: str, *, create: bool = False) -> int | None:
-        """A key's directory (the caller closes it); None when missing."""
-        fanout = self._dir(kd[:2], create=create)
-        return (
-            None
-            if fanout is None
-            else open_dir(fanout, kd, self._perms, create=create, sync=self.fsync)
-        )
-
     def _close_resources(self) -> None:
         """Close the directories once no job runs (a job abandoned past its deadline may never
         return: they then stay open, so no descriptor is reused under it)."""
         with self._lock:
             if self._running:
                 return
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+        self._dirs.close()
 
     # ------------------------------------------------------------------ index
 
@@ -255,23 +213,21 @@ class FileStore(UnitStore):
         try:
             header = check_unit(fd, st.st_size, self.namespace, found)
         except CorruptUnit as error:
-            self._quarantine(found, st, error.reason)
+            self._quarantine(found, (st.st_dev, st.st_ino), error.reason)
             return None
         finally:
             os.close(fd)
-        used = max(st.st_atime_ns, st.st_mtime_ns)
-        return Entry(
-            header.key, found.kd, found.first, found.end, st.st_size, header.position, used
-        )
+        unit = (header.key, found.kd, found.first, found.end, st.st_size, header.position)
+        return Entry(*unit, max(st.st_atime_ns, st.st_mtime_ns))
 
     def _rescan(self) -> int:
         """Rebuild the index from disk (headers only), clean stale temps; corrupt found."""
-        tmp = self._dir("tmp")
-        removed = 0 if tmp is None else clean_temps(tmp, self.stale_tmp_s)
+        tmp = self._dirs.get("tmp")
+        removed = 0 if tmp is None else fsutil.clean_temps(tmp, self.stale_tmp_s)
         corrupt, start = self._counts["corrupt_detected"], time.time_ns()
         found = [
             e
-            for f in iter_units(self._dir("ns"), self._perms)
+            for f in iter_units(self._dirs.get("ns"), self._perms)
             if not f.problem and (e := self._index_file(f))
         ]
         with self._lock:
@@ -286,7 +242,7 @@ class FileStore(UnitStore):
     def _refresh_key(self, kd: str) -> None:
         """Index the units of ``kd`` other processes wrote (one directory listing)."""
         with contextlib.suppress(OSError):
-            fd = self._keydir(kd)
+            fd = self._dirs.keydir(kd)
             if fd is None:
                 return
             try:
@@ -320,60 +276,98 @@ class FileStore(UnitStore):
             self._counts["lookup_hit_blocks"] += found
         return found
 
+    # ------------------------------------------------------------------ native batches
+
+    def _hook(self) -> Callable[[str, str, int], None] | None:
+        hook, top = _test_hook, self.directory
+        return hook and (lambda stage, rel, n: hook(stage, f"{top}/{rel}", n))
+
     # ------------------------------------------------------------------ store
 
-    @_running(lambda reqs: [_CLOSED] * len(reqs))
-    def _store_units(self, reqs: list[StoreReq]) -> list[JobOutcome]:
-        return [self._store_one(req) for req in reqs]
-
-    def _store_one(self, req: StoreReq) -> JobOutcome:
-        name, size = f"{req.first}-{req.end}.ckv", header_length(req.raw_key) + len(req.payload)
+    @_running(lambda reqs, *_: [_CLOSED] * len(reqs))
+    def _store_units(self, reqs: list[StoreReq], attempt: int = 0) -> list[JobOutcome]:
+        """Write the batch natively (each unit hashed as written, published first writer
+        wins under the job's claim); a file already there is checked, a bad one replaced."""
+        if attempt > 2:  # each time, its key directory vanished or a bad unit was in the way
+            return [self._store_failed(OSError(errno.ENOENT, _VANISHING)) for _ in reqs]
+        out: list[Any] = [None] * len(reqs)
+        items, batch, reserve, cap = [], [], 0, self.capacity_bytes
+        for i, req in enumerate(reqs):
+            size = header_length(req.raw_key) + len(req.payload)
+            try:
+                if cap is not None and size > cap:
+                    raise OSError(errno.EFBIG, f"unit of {size} bytes exceeds capacity_bytes={cap}")
+                head = start_unit(self.namespace, req.raw_key, req.first, req.end, req.position)
+                fan = self._dirs.get(req.kd[:2], create=True)
+                tmp = self._dirs.get("tmp", create=True)
+                if not self._described:
+                    self._describe(tmp)
+            except OSError as error:
+                out[i] = self._store_failed(error)
+                continue
+            name, mac = f"{req.first}-{req.end}.ckv", unitfile.mac(self.namespace)
+            items.append((fan, req.kd, name, head[0], req.payload, mac))
+            batch.append(i)
+            reserve += 0 if (req.kd, req.first, req.end) in self._policy else size
+        if not batch:
+            return out
+        self._reserve(reserve)
+        direct = self.direct_io  # O_DIRECT writes of a whole unit (up to a bounce) at once
         try:
-            for _attempt in range(3):
-                keydir = self._keydir(req.kd, create=True)
-                try:
-                    entry = self._index_file(Found(req.kd, keydir, name, req.first, req.end))
-                    if entry is not None:
-                        if entry.ident not in self._policy:
-                            self._add(entry)
-                        self._count("stores_skipped")
-                        return JobOutcome("ok", detail="already stored")
-                    self._drop((req.kd, req.first, req.end))  # evicted by another process
-                    self._reserve(size)
-                    try:
-                        won = self._publish(keydir, name, req)
-                    finally:
-                        with self._lock:
-                            self._reserved -= size
-                    break
-                except FileNotFoundError:
-                    continue  # the key directory was just removed by an eviction: again
-                finally:
-                    os.close(keydir)
-            else:
-                raise OSError(errno.ENOENT, "key directory keeps vanishing", name)
-        except OSError as error:
-            self._count("stores_failed")
-            full = " (disk full)" if error.errno in _DISK_FULL else ""
-            return JobOutcome("error", detail=f"store failed{full}: {error}", error=error)
-        if not won:
-            self._count("stores_skipped")
+            results = _unitio.store(
+                current_job()._state, items, self._perms.native(), tmp, fsutil.temp_prefix(),
+                _BOUNCE_BYTES if direct else _IO_CHUNK_BYTES, self.fsync, direct, self._hook(),
+            )  # fmt: skip
+            for i, result in zip(batch, results):
+                out[i] = self._stored(reqs[i], result)
+        finally:  # written: a batch larger than the room there was loses its oldest tails
+            self._reserve(-reserve)
+        if again := [i for i in batch if out[i] is None]:  # vanished meanwhile, or bad
+            for i, outcome in zip(again, self._store_units([reqs[i] for i in again], attempt + 1)):
+                out[i] = outcome
+        return out
+
+    def _stored(self, req: StoreReq, result: tuple) -> JobOutcome | None:
+        """The outcome of a native store; None: to be tried again."""
+        status, err = result[:2]
+        ident = (req.kd, req.first, req.end)
+        if status in (_unitio.EXPIRED, _unitio.SKIPPED):
+            raise RuntimeError("store expired: nothing published")
+        if status == _unitio.OK:
+            size = header_length(req.raw_key) + len(req.payload)
+            self._add(Entry(req.raw_key, *ident, size, req.position, time.time_ns()))
+            with self._lock:
+                self._counts["units_stored"] += 1
+                self._counts["bytes_stored"] += len(req.payload)
+            return JobOutcome("ok", nbytes=len(req.payload))
+        if status in (_unitio.LOST, _unitio.EXISTS):  # index (check) what is there
+            self._drop(ident)
             self._refresh_key(req.kd)
-            return JobOutcome("ok", detail="another writer stored it first")
-        unit = (req.raw_key, req.kd, req.first, req.end, size, req.position)
-        self._add(Entry(*unit, time.time_ns()))
-        with self._lock:
-            self._counts["units_stored"] += 1
-            self._counts["bytes_stored"] += len(req.payload)
-        return JobOutcome("ok", nbytes=len(req.payload))
+            if ident not in self._policy:
+                return None
+            self._count("stores_skipped")
+            lost = status == _unitio.LOST
+            return JobOutcome(
+                "ok", detail="another writer stored it first" if lost else "already stored"
+            )
+        if status == _unitio.MISSING:
+            return None
+        if status == _unitio.UNSAFE_DIR:
+            what = f"{self.directory}/{req.kd[:2]}/{req.kd}: {_UNSAFE_DIR}"
+            return self._store_failed(UnsafePath(err, what))
+        return self._store_failed(OSError(err, os.strerror(err)))
+
+    def _store_failed(self, error: OSError) -> JobOutcome:
+        self._count("stores_failed")
+        full = " (disk full)" if error.errno in _DISK_FULL else ""
+        return JobOutcome("error", detail=f"store failed{full}: {error}", error=error)
 
     def _reserve(self, size: int) -> None:
-        """Count ``size`` bytes as being written, evicting first when over capacity."""
+        """Count ``size`` bytes as being written (negative: written now and indexed),
+        evicting least recently used units while over capacity."""
         with self._lock:
             victims, cap, policy = [], self.capacity_bytes, self._policy
-            if cap is not None:
-                if size > cap:
-                    raise OSError(errno.EFBIG, f"unit of {size} bytes exceeds capacity_bytes={cap}")
+            if cap is not None and policy.bytes + self._reserved + size > cap:
                 victims = policy.victims(policy.bytes + self._reserved + size - cap)
             self._reserved += size
         self._evict(victims)
@@ -390,14 +384,14 @@ class FileStore(UnitStore):
         """Drop a unit from the index and the disk; whether its file was there."""
         self._drop((kd, first, end))
         with contextlib.suppress(OSError):
-            keydir = self._keydir(kd)
+            keydir = self._dirs.keydir(kd)
             if keydir is not None:
                 try:
                     os.unlink(f"{first}-{end}.ckv", dir_fd=keydir)
                 finally:
                     os.close(keydir)
                 with contextlib.suppress(OSError):  # unless not empty
-                    os.rmdir(kd, dir_fd=self._dir(kd[:2]))
+                    os.rmdir(kd, dir_fd=self._dirs.get(kd[:2]))
                 return True
         return False
 
@@ -408,30 +402,9 @@ class FileStore(UnitStore):
         first, end = self._range(first, end)
         return sum(self._unlink(key_digest(raw), first, end) for raw in self._keys(keys))
 
-    def _publish(self, keydir: int, name: str, req: StoreReq) -> bool:
-        tmp = self._dir("tmp", create=True)
-        if not self._described:
-            self._describe(tmp)
-
-        def hook(stage: str, temp: str, written: int) -> None:
-            if _test_hook is not None:
-                _test_hook(stage, f"{self.directory}/{TMP_DIR}/{temp}", written)
-
-        def write(fd: int, temp: str) -> None:
-            wrote = lambda n: hook("write", temp, n)  # noqa: E731
-            if self.direct_io:
-                unitfile.write_direct(fd, self.namespace, req, self._buffers(), wrote)
-            else:
-                unit = (req.raw_key, req.first, req.end, req.position, req.payload)
-                parts = [encode_header(self.namespace, *unit), req.payload]
-                _write_all(fd, parts, wrote, _IO_CHUNK_BYTES)
-            hook("publish", temp, header_length(req.raw_key) + len(req.payload))
-
-        return publish(keydir, name, write, tmp=tmp, perms=self._perms, fsync=self.fsync)
-
     def _describe(self, tmp: int) -> None:
         """``namespace.json``, once per process: replaced (a FIFO or link too) unless right."""
-        self._described, ns = True, self._dir("ns")
+        self._described, ns = True, self._dirs.get("ns")
         text = (json.dumps(self.namespace.describe(), indent=1, sort_keys=True) + "\n").encode()
         with contextlib.suppress(OSError):
             fd, _ = open_file(ns, NAMESPACE_FILE)
@@ -440,111 +413,113 @@ class FileStore(UnitStore):
                     return
             finally:
                 os.close(fd)
-        publish(ns, NAMESPACE_FILE, [text], tmp=tmp, perms=self._perms, replace=True)
+        fsutil.replace_file(ns, NAMESPACE_FILE, text, tmp=tmp, perms=self._perms)
 
     # ------------------------------------------------------------------ load
 
-    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """This thread's aligned buffers (a piece, a first block), made on first use."""
-        local = self._scratch
-        if getattr(local, "size", 0) != unitfile._LOAD_CHUNK_BYTES:
-            local.buffers, local.size = unitfile.aligned_buffers(), unitfile._LOAD_CHUNK_BYTES
-        return local.buffers
-
     @_running(lambda reqs: [_CLOSED] * len(reqs))
     def _load_units(self, reqs: list[LoadReq]) -> list[JobOutcome]:
-        return [self._load_one(req) for req in reqs]
+        """Read and verify the units covering each request, all in one native call; a bad
+        unit is quarantined and its request tries another cover, else it is a miss."""
+        out: list[Any] = [None] * len(reqs)
+        bad: list[set] = [set() for _ in reqs]  # units that failed, per request
+        why: list[list[str]] = [[] for _ in reqs]
+        todo, refreshed, ns = range(len(reqs)), set(), self.namespace
+        while todo:
+            plan = []
+            for i in todo:
+                req = reqs[i]
+                chain = self._policy.cover(req.kd, req.first, req.end, bad[i])
+                if chain is None and i not in refreshed:
+                    refreshed.add(i)
+                    self._refresh_key(req.kd)
+                    chain = self._policy.cover(req.kd, req.first, req.end, bad[i])
+                if chain is None:
+                    self._count("misses")
+                    out[i] = JobOutcome("miss", detail="; ".join(why[i]) or "not stored")
+                plan += [(i, e) for e in chain or ()]
+            items = [
+                unitfile.load_item(ns, reqs[i], e.first, e.end, self._dirs.fan(e.kd))
+                for i, e in plan
+            ]
+            results, retry = self._native_load(items) if items else [], set()
+            for (i, e), result in zip(plan, results):
+                if i in retry or out[i] is not None:
+                    continue
+                try:
+                    problem = self._loaded(reqs[i], e, result)
+                except OSError as error:
+                    self._count("misses")
+                    out[i] = JobOutcome("error", detail=f"read failed: {error}", error=error)
+                    continue
+                if problem:
+                    bad[i].add(e.ident)
+                    why[i].append(f"{e.first}-{e.end} {problem}")
+                    retry.add(i)
+            units = collections.Counter(i for i, _ in plan)
+            for i in units.keys() - retry:
+                if out[i] is None:
+                    with self._lock:
+                        self._counts["hits"] += 1
+                        self._counts["units_loaded"] += units[i]
+                        self._counts["bytes_loaded"] += len(reqs[i].dest)
+                    out[i] = JobOutcome("ok", nbytes=len(reqs[i].dest), detail="; ".join(why[i]))
+            todo = sorted(retry)
+        return out
 
-    def _load_one(self, req: LoadReq) -> JobOutcome:
-        excluded, problems, refreshed = set(), [], False
-        while True:
-            chain = self._policy.cover(req.kd, req.first, req.end, excluded)
-            if chain is None and not refreshed:
-                refreshed = True
-                self._refresh_key(req.kd)
-                continue
-            if chain is None:
-                self._count("misses")
-                return JobOutcome("miss", detail="; ".join(problems) or "not stored")
-            try:
-                for entry in chain:
-                    self._read_into(req, entry)
-            except _UnitBad as bad:
-                self._drop(bad.entry.ident)
-                excluded.add(bad.entry.ident)
-                problems.append(f"{bad.entry.first}-{bad.entry.end} {bad.reason}")
-                continue
-            except OSError as error:
-                self._count("misses")
-                return JobOutcome("error", detail=f"read failed: {error}", error=error)
+    def _native_load(self, items: list[tuple]) -> list[tuple]:
+        return _unitio.load(
+            current_job()._state, items, self._perms.native(), _PIECE_BYTES, _BOUNCE_BYTES,
+            _NOWAIT, self.direct_io, time.time_ns(), self._policy.granularity_ns, self._hook(),
+        )  # fmt: skip
+
+    def _loaded(self, req: LoadReq, entry: Entry, result: tuple) -> str:
+        """ "" when ``entry`` was read and verified; else why not (a bad unit quarantined).
+        ``OSError`` on an I/O error; ``RuntimeError`` when the job expired."""
+        status, err, reason, head, dev, ino = result
+        if status == _unitio.OK:
             with self._lock:
-                self._counts["hits"] += 1
-                self._counts["units_loaded"] += len(chain)
-                self._counts["bytes_loaded"] += len(req.dest)
-            return JobOutcome("ok", nbytes=len(req.dest), detail="; ".join(problems))
-
-    def _read_into(self, req: LoadReq, entry: Entry) -> None:
-        """Read and verify ``entry`` piece by piece through this thread's buffer, copying
-        the part the request wants into its destination under the job's claim."""
-        name, keydir = f"{entry.first}-{entry.end}.ckv", None
-        try:
-            keydir = self._keydir(entry.kd)
-            if keydir is None:
-                raise FileNotFoundError(name)
-            fd, st = open_file(keydir, name, os.O_RDONLY | (O_DIRECT if self.direct_io else 0))
-        except FileNotFoundError:
-            keydir is None or os.close(keydir)
-            raise _UnitBad(entry, "vanished") from None
-        except (UnsafePath, StoreRootError) as error:  # a symlink, FIFO, foreign directory
-            if keydir is not None:
-                self._quarantine(
-                    Found(entry.kd, keydir, name, entry.first, entry.end), None, error.strerror
-                )
-                os.close(keydir)
-            raise _UnitBad(entry, f"unsafe: {error.strerror or error}") from None
-        found = Found(entry.kd, keydir, name, entry.first, entry.end)
-        try:
-            unitfile.read_unit(
-                fd, st, self.namespace, req, entry.first, entry.end, self._buffers(), self.direct_io
-            )
-            now = time.time_ns()  # recency for other processes: once per recency bucket
-            if now - max(st.st_atime_ns, st.st_mtime_ns) >= self._policy.granularity_ns:
-                with contextlib.suppress(OSError):
-                    os.utime(fd, ns=(now, st.st_mtime_ns))
-        except CorruptUnit as error:
-            self._quarantine(found, st, error.reason, entry.key)
-            raise _UnitBad(entry, f"corrupt: {error.reason}") from None
-        finally:
-            os.close(fd)
-            os.close(keydir)
-        with self._lock:
-            self._policy.touch(entry, time.time_ns())
+                self._policy.touch(entry, time.time_ns())
+            return ""
+        if status in (_unitio.EXPIRED, _unitio.SKIPPED):
+            raise RuntimeError("load expired: its destination is not written")
+        if status == _unitio.ERROR:
+            raise OSError(err, os.strerror(err))
+        self._drop(entry.ident)
+        if status == _unitio.MISSING:
+            return "vanished"
+        if status == _unitio.UNSAFE_DIR:
+            return f"unsafe: {_UNSAFE_DIR}"
+        if head is not None:  # the header differs: say how
+            reason = unitfile.header_problem(head, self.namespace, req.raw_key, entry.first)
+        corrupt = status == _unitio.CORRUPT
+        found = Found(entry.kd, -1, f"{entry.first}-{entry.end}.ckv", entry.first, entry.end)
+        key = entry.key if corrupt else b""
+        self._quarantine(found, (dev, ino) if corrupt else None, reason, key)
+        return f"{'corrupt' if corrupt else 'unsafe'}: {reason}"
 
     def _quarantine(
-        self, found: Found, st: os.stat_result | None, reason: str, key: bytes = b""
+        self, found: Found, ident: tuple[int, int] | None, reason: str, key: bytes = b""
     ) -> None:
-        """Move a bad unit out of the way (or remove it), only if its name still names it."""
+        """Move a bad unit out of the way (or remove it), only if its name still names it
+        (the file ``ident``, (st_dev, st_ino), when known); ``found.dir_fd`` -1: open it."""
         with self._lock:
             self._counts["corrupt_detected"] += 1
             if key:
                 self._removed.append((key, found.first, found.end))
-        target = f"{found.kd}-{time.time_ns()}-{secrets.token_hex(4)}-{found.name}"
+        keydir = None
         try:
-            quarantine = self._dir(QUARANTINE_DIR, create=True)
-            keep = len(os.listdir(quarantine)) < self.quarantine_limit
-            os.rename(found.name, target, src_dir_fd=found.dir_fd, dst_dir_fd=quarantine)
-            moved = os.stat(target, dir_fd=quarantine, follow_symlinks=False)
+            qdir = self._dirs.get(QUARANTINE_DIR, create=True)
+            parent = found.dir_fd if found.dir_fd >= 0 else (keydir := self._dirs.keydir(found.kd))
+            if parent is not None and unitfile.quarantine(
+                qdir, parent, found, ident, self.quarantine_limit
+            ):
+                self._count("quarantined")
         except OSError:
-            return  # already moved or removed by someone else, or no safe quarantine
-        if st is not None and (moved.st_dev, moved.st_ino) != (st.st_dev, st.st_ino):
-            # A good unit was published under this name since we read the bad one: back.
-            with contextlib.suppress(FileExistsError):
-                os.link(target, found.name, src_dir_fd=quarantine, dst_dir_fd=found.dir_fd)
-            keep = False
-        if keep:
-            self._count("quarantined")
-        else:  # full: the first few are kept for post-mortems
-            os.unlink(target, dir_fd=quarantine)
+            pass  # already moved or removed by someone else, or no safe quarantine
+        finally:
+            if keydir is not None:
+                os.close(keydir)
 
     # ------------------------------------------------------------------ upkeep
 
@@ -563,7 +538,7 @@ class FileStore(UnitStore):
         idle_s = check_seconds("idle_s", idle_s, optional=True)
         capacity = self.capacity_bytes if capacity_bytes is None else capacity_bytes
         before = self.metrics()
-        corrupt = self._rescan() if self._dir("ns") is not None else 0
+        corrupt = self._rescan() if self._dirs.get("ns") is not None else 0
         with self._lock:
             over = 0 if capacity is None else self._policy.bytes - capacity
             victims = self._policy.victims(over) if over > 0 else []
@@ -593,8 +568,3 @@ class FileStore(UnitStore):
 
 
 _CLOSED = JobOutcome("error", detail="store closed")
-
-
-class _UnitBad(Exception):
-    def __init__(self, entry: Entry, reason: str) -> None:
-        self.entry, self.reason = entry, reason

@@ -5,7 +5,7 @@ descriptor with ``O_NOFOLLOW`` (``openat``), and every directory is checked befo
 owned by this user (or, with ``group_shared``, by one of its groups) and writable by no
 one else. Files are opened ``O_NONBLOCK`` and checked to be regular by ``fstat`` before a
 byte is read, so a FIFO never blocks. What the package creates is private (0700 / 0600)
-unless the store is group-shared (0770 / 0660). :func:`publish` is THE atomic publish.
+unless the store is group-shared (0770 / 0660).
 """
 
 from __future__ import annotations
@@ -16,25 +16,17 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .jobs import current_job
 from .liveness import process_alive, this_process
 
 __all__ = [
-    "Perms",
-    "UnsafePath",
-    "clean_temps",
-    "open_dir",
-    "open_file",
-    "open_root",
-    "probe",
-    "publish",
-    "write_all",
-]
+    "Dirs", "Perms", "StoreRootError", "UnsafePath", "clean_temps", "open_dir", "open_file",
+    "open_root", "probe", "replace_file", "temp_prefix",
+]  # fmt: skip
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -44,6 +36,10 @@ _EUID = os.geteuid()  # a process that changes it later is checked the slow way
 class UnsafePath(OSError):
     """A path the package must not use: a symlink, not the expected file type, or owned or
     writable by another user."""
+
+
+class StoreRootError(OSError):
+    """The root or a directory in it is not a writable directory, or is unsafe."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +56,24 @@ class Perms:
     def file_mode(self) -> int:
         return 0o660 if self.group_shared else 0o600
 
+    @property
+    def forbidden(self) -> int:
+        """Mode bits no one else may have on a directory the store trusts."""
+        return 0o002 if self.group_shared else 0o022
+
+    def native(self) -> tuple:
+        """What :mod:`canonical_ops._unitio` checks directories and creates with."""
+        groups = tuple({os.getegid(), *os.getgroups()}) if self.group_shared else ()
+        shared = self.group_shared
+        return os.geteuid(), self.forbidden, groups, self.dir_mode, self.file_mode, shared
+
     def check(self, st: os.stat_result, what: str) -> None:
         """:class:`UnsafePath` unless ``st`` is a directory this store may trust."""
-        if st.st_uid == _EUID and not st.st_mode & (0o002 if self.group_shared else 0o022):
+        if st.st_uid == _EUID and not st.st_mode & self.forbidden:
             return  # the common case, without a system call
         mine = st.st_uid == os.geteuid()
         ours = self.group_shared and st.st_gid in {os.getegid(), *os.getgroups()}
-        if not (mine or ours) or st.st_mode & (0o002 if self.group_shared else 0o022):
+        if not (mine or ours) or st.st_mode & self.forbidden:
             raise UnsafePath(
                 errno.EPERM,
                 f"{what}: expected a directory owned by uid {os.geteuid()}"
@@ -155,6 +162,53 @@ def open_dir(
     return fd
 
 
+class Dirs:
+    """A store's directories by descriptor: the root (``root_fd``), the namespace directory
+    ``name`` in it ("ns") and its subdirectories ("tmp", "quarantine", fan-outs "3f"),
+    each opened (or made, ``sync``: durably) safely once and kept until :meth:`close`."""
+
+    def __init__(self, root_fd: int, path: str, name: str, perms: Perms, sync: bool) -> None:
+        self.path, self.perms, self.sync = path, perms, sync
+        self._name, self._fds, self._lock = name, {"root": root_fd}, threading.Lock()
+
+    def get(self, name: str, *, create: bool = False) -> int | None:
+        """Directory ``name``; None when missing (made only with ``create``);
+        :class:`StoreRootError` when unsafe."""
+        if (fd := self._fds.get(name)) is not None:
+            return fd
+        parent = self._fds["root"] if name == "ns" else self.get("ns", create=create)
+        with self._lock:
+            if parent is None or name in self._fds:
+                return self._fds.get(name)
+            sub, what = (self._name, self.path) if name == "ns" else (name, f"{self.path}/{name}")
+            try:
+                fd = open_dir(parent, sub, self.perms, create=create, sync=self.sync, what=what)
+            except UnsafePath as error:
+                raise StoreRootError(error.errno, str(error)) from None
+            if fd is not None:
+                self._fds[name] = fd
+            return fd
+
+    def fan(self, kd: str) -> int:
+        """Key digest ``kd``'s fan-out directory, or -1 when missing or unsafe."""
+        with contextlib.suppress(StoreRootError):
+            if (fd := self.get(kd[:2])) is not None:
+                return fd
+        return -1
+
+    def keydir(self, kd: str, *, create: bool = False) -> int | None:
+        """A key's directory (the caller closes it); None when missing."""
+        if (fan := self.get(kd[:2], create=create)) is None:
+            return None
+        return open_dir(fan, kd, self.perms, create=create, sync=self.sync)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
 def open_file(parent: int, name: str, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
     """A regular file of ``parent`` and its stat: no symlink followed, no FIFO waited for
     (``O_NONBLOCK``), :class:`UnsafePath` for anything but a regular file."""
@@ -174,83 +228,52 @@ def open_file(parent: int, name: str, flags: int = os.O_RDONLY) -> tuple[int, os
     return fd, st
 
 
-def write_all(
-    fd: int, parts: Sequence[Any], hook: Callable[[int], None] | None = None, chunk: int = 64 << 20
-) -> int:
-    """Write ``parts`` (buffers) with ``writev``, at most ``chunk`` bytes a call (a stuck
-    syscall stays bounded); ``hook(bytes written)`` after each call."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-    written = 0
-    while views:
-        batch, size = [], 0
-        for view in views:
-            if size < chunk:
-                batch.append(view[: chunk - size])
-                size += len(batch[-1])
-        n = os.writev(fd, batch)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        written += n
-        while n:
-            head = len(views[0])
-            views[0:1] = [] if n >= head else [views[0][n:]]
-            n = max(0, n - head)
-        if hook is not None:
-            hook(written)
-    return written
+def replace_file(parent: int, name: str, data: bytes, *, tmp: int, perms: Perms) -> bool:
+    """Atomically make ``name`` in directory ``parent`` hold ``data`` (a small file such as
+    ``namespace.json``, whatever was there: a FIFO or link too); False if not done.
 
-
-def publish(
-    parent: int,
-    name: str,
-    parts: Sequence[Any] | Callable[[int, str], None],
-    *,
-    tmp: int,
-    perms: Perms,
-    replace: bool = False,
-    fsync: bool = True,
-) -> bool:
-    """Atomically make ``name`` in directory ``parent`` hold ``parts``; False if not done.
-
-    The bytes go to a temp file in ``tmp`` (a directory of the same file system; its
-    name says who writes it, for :func:`clean_temps`), are synced (``fsync``), then
-    linked to ``name``: ``link`` when not ``replace`` (the first writer wins, a loser gets
-    False), else ``rename``; ``parent`` is synced after. A name so only ever holds a whole
-    file, even after SIGKILL or power loss. ``parts`` may be a writer ``write(fd, temp
-    name)``. Inside a job the link is claimed (:mod:`.jobs`): an expired job publishes
-    nothing. Descriptors only: nothing follows a symlink.
+    The bytes go to a temp file in ``tmp`` (same file system; its name says who writes it,
+    for :func:`clean_temps`), synced, then renamed to ``name``, and ``parent`` synced: the
+    name only ever holds a whole file. Inside a job the rename is claimed (:mod:`.jobs`):
+    an expired job replaces nothing. Units are published by :mod:`canonical_ops._unitio`
+    (first writer wins). Descriptors only: nothing follows a symlink.
     """
-    pidns, pid, ticks = this_process()
-    temp = f"{pidns}-{pid}-{ticks}-{secrets.token_hex(8)}.tmp"
+    temp = f"{temp_prefix()}{secrets.token_hex(8)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, perms.file_mode, dir_fd=tmp)
     try:
         try:
             if perms.group_shared:
                 os.fchmod(fd, perms.file_mode)  # the umask would drop group write
-            parts(fd, temp) if callable(parts) else write_all(fd, parts)
-            if fsync:
-                os.fdatasync(fd)
+            view = memoryview(data)
+            while view:  # a short write is followed by the one that says why (EFBIG, ...)
+                view = view[os.write(fd, view) :]
+            os.fdatasync(fd)
         finally:
             os.close(fd)
         job = current_job()
         if not job.claim():
             return False
         try:
-            if replace:
-                os.rename(temp, name, src_dir_fd=tmp, dst_dir_fd=parent)
-            else:
-                os.link(temp, name, src_dir_fd=tmp, dst_dir_fd=parent, follow_symlinks=False)
-        except FileExistsError:
-            return False
+            os.rename(temp, name, src_dir_fd=tmp, dst_dir_fd=parent)
         finally:
             job.release()
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=tmp)
-    if fsync:
-        os.fsync(parent)
+    os.fsync(parent)
     return True
+
+
+_prefix: tuple[int, str] = (-1, "")
+
+
+def temp_prefix() -> str:
+    """``<pid ns>-<pid>-<start ticks>-``: how a temp file names its writer (+ random, .tmp)."""
+    global _prefix
+    if _prefix[0] != os.getpid():
+        _prefix = (os.getpid(), "{}-{}-{}-".format(*this_process()))
+    return _prefix[1]
 
 
 def clean_temps(tmp: int, stale_s: float, *, dry_run: bool = False) -> int:

@@ -1,10 +1,7 @@
-"""Layer and state geometries: what decides the bytes of one layer's canonical page or
-state slot, as ``layouts`` derived them, and their strict JSON descriptions.
-
-A certified geometry is parallelism free (its page is the same under any TP / DCP / PCP);
-an *opaque* one is each rank's page (or slot) whole and carries its writer's topology,
-so only that topology reads it. Descriptions are strict (no missing or unknown field)
-and bounded, since a ``namespace.json`` read from disk is not trusted.
+"""Layer and state geometries: what decides the bytes of a layer's canonical page or state
+slot, as ``layouts`` derived them. A certified one is parallelism free; an *opaque* one is
+each rank's page (slot) whole, read only at its writer's topology. Descriptions are strict
+(no missing or unknown field) and bounded: a ``namespace.json`` is not trusted.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
 
@@ -25,7 +22,7 @@ from layouts.state import CONV_LAYOUTS, STATE_KINDS, StateSpec, state_certificat
 
 from ..checks import check_int
 
-__all__ = ["LayerGeometry", "StateGeometry", "StateReshardError", "canonical_json"]
+__all__ = ["LayerGeometry", "StateGeometry", "StateReshardError", "canonical_json", "check_type"]
 
 MAX_PAGE_BYTES = 1 << 40  # bound on what a namespace.json may claim
 _UNKNOWN = "unknown"  # what an opaque layer built from bytes alone does not know
@@ -58,13 +55,17 @@ def _json_value(value: Any, path: str) -> Any:
 def canonical_json(value: Any, name: str = "value") -> str:
     """The canonical JSON text of ``value`` (the input of every digest); ``name`` is the
     argument named in errors."""
+    data = _json_value(value, name)
     return json.dumps(
-        _json_value(value, name),
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=True,
-        allow_nan=False,
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
     )
+
+
+def check_type(name: str, value: Any, cls: type) -> Any:
+    """``value`` if it is a ``cls``, else ``TypeError`` naming ``name``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
 
 
 def _check_str(name: str, value: Any, *, empty: bool = False) -> str:
@@ -85,7 +86,7 @@ def _flag(obj: Any, name: str) -> None:
     object.__setattr__(obj, name, bool(value))
 
 
-def _topology(obj: Any, names: tuple[str, ...], what: str) -> None:
+def _check_topology(obj: Any, names: tuple[str, ...], what: str) -> None:
     """Check ``obj.topology``: the writer's for an opaque ``what``, None when certified."""
     topo = obj.topology
     if not obj.opaque:
@@ -115,9 +116,8 @@ def _strict(desc: Any, path: str, required: Sequence[str], optional: Sequence[st
 
 def _from_description(cls: type, desc: Any, path: str, fields_: tuple, names: tuple) -> Any:
     """A geometry from its description: strict fields, a topology object, errors naming ``path``."""
-    d = _strict(
-        desc, path, fields_, ("topology", "scales") if cls is LayerGeometry else ("topology",)
-    )
+    optional = ("topology", "scales") if cls is LayerGeometry else ("topology",)
+    d = _strict(desc, path, fields_, optional)
     kwargs = {name: d[name] for name in fields_}
     if d.get("topology") is not None:
         topo = _strict(d["topology"], f"{path}.topology", names)
@@ -141,24 +141,9 @@ def _describe(obj: Any, fields_: tuple, names: tuple) -> dict[str, Any]:
     return out
 
 
-def _fraction_text(value: Any) -> str:
-    fraction = Fraction(value)
-    return str(fraction.numerator) if fraction.denominator == 1 else str(fraction)
-
-
-_LAYER_FIELDS = (
-    "attention",
-    "total_kv_heads",
-    "head_size",
-    "dtype",
-    "packing",
-    "order",
-    "tokens_per_page",
-    "canonical_page_size_bytes",
-    "per_token_head_scales",
-    "tokens_per_state",
-    "opaque",
-)
+def _ctx_topology(ctx: RankContext) -> tuple[int, int, int, int]:
+    """``ctx``'s (tp, dcp, pcp, interleave): an opaque layer's topology (a state's: 3 first)."""
+    return (check_type("ctx", ctx, RankContext).tp_size, ctx.dcp_size, ctx.pcp_size, ctx.interleave)
 
 
 @dataclass(frozen=True)
@@ -196,26 +181,21 @@ class LayerGeometry:
         check_int("total_kv_heads", self.total_kv_heads, minimum=0)
         check_int("head_size", self.head_size, minimum=0)
         check_int("tokens_per_page", self.tokens_per_page, minimum=1)
-        check_int(
-            "canonical_page_size_bytes",
-            self.canonical_page_size_bytes,
-            minimum=0,
-            maximum=MAX_PAGE_BYTES,
-        )
+        page_bytes = self.canonical_page_size_bytes
+        check_int("canonical_page_size_bytes", page_bytes, minimum=0, maximum=MAX_PAGE_BYTES)
         if self.dtype != _UNKNOWN:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         _flag(self, "per_token_head_scales")
         _flag(self, "opaque")
+        tokens_text = self.tokens_per_state
         try:
-            tokens = Fraction(_check_str("tokens_per_state", self.tokens_per_state))
+            tokens = Fraction(_check_str("tokens_per_state", tokens_text))
         except (TypeError, ValueError, ZeroDivisionError):
             tokens = Fraction(0)
         if tokens <= 0:
-            raise ValueError(
-                f"tokens_per_state: expected a fraction text > 0 like '1' or "
-                f"'1/4', got {self.tokens_per_state!r}"
-            )
-        object.__setattr__(self, "tokens_per_state", _fraction_text(tokens))
+            expected = "expected a fraction text > 0 like '1' or '1/4'"
+            raise ValueError(f"tokens_per_state: {expected}, got {tokens_text!r}")
+        object.__setattr__(self, "tokens_per_state", str(tokens))  # "1", "1/4"
         if self.scales is not None:
             if not isinstance(self.scales, KVScales):
                 raise TypeError(
@@ -230,7 +210,7 @@ class LayerGeometry:
                 raise ValueError(
                     f"scales: per-token-head scales need full attention, got {self.attention}"
                 )
-        _topology(self, _TOPO_LAYER, "layer")
+        _check_topology(self, _TOPO_LAYER, "layer")
         if not self.opaque:
             self._check_certified()
 
@@ -238,9 +218,8 @@ class LayerGeometry:
         """A certified page's size is what ``layouts`` gives the whole group's page."""
         if _UNKNOWN in (self.attention, self.dtype, self.packing, self.order):
             raise ValueError(
-                "opaque: a certified layer must know attention, dtype, packing and "
-                "order; build layers of unknown layout with "
-                "LayerGeometry.opaque_from_bytes"
+                "opaque: a certified layer must know attention, dtype, packing and order; "
+                "build layers of unknown layout with LayerGeometry.opaque_from_bytes"
             )
         if self.per_token_head_scales or self.tokens_per_state != "1":
             raise ValueError(
@@ -252,15 +231,8 @@ class LayerGeometry:
         if self.total_kv_heads < 1 or self.head_size < 1:
             raise ValueError("total_kv_heads, head_size: expected >= 1 for a certified layer")
         try:  # the whole layer on one rank: its page is the canonical page
-            spec = LayerSpec(
-                self.attention,
-                self.tokens_per_page,
-                self.total_kv_heads,
-                self.head_size,
-                self.dtype,
-                self.packing,
-                self.order,
-            )
+            shape = (self.total_kv_heads, self.head_size, self.dtype, self.packing, self.order)
+            spec = LayerSpec(self.attention, self.tokens_per_page, *shape)
             expected = spec.page_size_bytes
             if self.scales is not None and self.scales.has_page:
                 expected += self.scales.page_spec(spec).page_size_bytes
@@ -279,10 +251,8 @@ class LayerGeometry:
         """The geometry of a layer whose page on one rank of ``ctx``'s group is ``spec``:
         certified exactly when ``layouts`` certifies every rank of the group (with
         per-token-head ``scales``, their page too), else opaque with ``ctx``'s topology."""
-        if not isinstance(spec, LayerSpec):
-            raise TypeError(f"spec: expected a LayerSpec, got {type(spec).__name__}")
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        check_type("spec", spec, LayerSpec)
+        topology = _ctx_topology(ctx)
         if scales is not None and (problem := scales_mismatch(spec, scales)) is not None:
             raise ValueError(f"scales: {problem}")
         group = (ctx.tp_size, ctx.total_kv_heads, ctx.dcp_size, ctx.pcp_size, ctx.interleave)
@@ -291,24 +261,14 @@ class LayerGeometry:
         else:
             data, page = derive_scaled_group_mappings(spec, scales, *group)
         certified = data[0].fallback_reason is None  # opaque mappings say why they are
-        size = data[0].canonical_page_size_bytes + (
-            page[0].canonical_page_size_bytes if page else 0
-        )
+        size = sum(m[0].canonical_page_size_bytes for m in (data, page) if m)
+        heads = 1 if spec.attention == "mla" else ctx.total_kv_heads
+        tokens = spec.block_size * ctx.cp_size
         return cls(
-            spec.attention,
-            1 if spec.attention == "mla" else ctx.total_kv_heads,
-            spec.head_size,
-            spec.dtype,
-            spec.packing,
-            spec.order,
-            spec.block_size * ctx.cp_size,
-            size,
-            spec.per_token_head_scales,
-            _fraction_text(spec.tokens_per_state),
-            not certified,
-            None if certified else _layer_topology(ctx),
-            scales,
-        )
+            spec.attention, heads, spec.head_size, spec.dtype, spec.packing, spec.order, tokens,
+            size, spec.per_token_head_scales, str(Fraction(spec.tokens_per_state)), not certified,
+            None if certified else topology, scales,
+        )  # fmt: skip
 
     @classmethod
     def opaque_from_bytes(
@@ -316,22 +276,10 @@ class LayerGeometry:
     ) -> LayerGeometry:
         """A layer of unrecognised layout: ``tp * pcp`` local pages of
         ``local_page_size_bytes`` side by side (``layouts.opaque_fallback_mapping``)."""
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        topology, u = _ctx_topology(ctx), _UNKNOWN
         page = check_int("local_page_size_bytes", local_page_size_bytes, minimum=0)
         tokens = check_int("block_size", block_size, minimum=1) * ctx.cp_size
-        return cls(
-            _UNKNOWN,
-            0,
-            0,
-            _UNKNOWN,
-            _UNKNOWN,
-            _UNKNOWN,
-            tokens,
-            ctx.group_size * page,
-            opaque=True,
-            topology=_layer_topology(ctx),
-        )
+        return cls(u, 0, 0, u, u, u, tokens, ctx.group_size * page, opaque=True, topology=topology)
 
     def describe(self) -> dict[str, Any]:
         """JSON description (part of the namespace's)."""
@@ -344,10 +292,6 @@ class LayerGeometry:
     def from_description(cls, desc: Any, path: str = "layer") -> LayerGeometry:
         """Inverse of :meth:`describe`; strict (no missing or unknown field)."""
         return _from_description(cls, desc, path, _LAYER_FIELDS, _TOPO_LAYER)
-
-
-def _layer_topology(ctx: RankContext) -> tuple[int, int, int, int]:
-    return (ctx.tp_size, ctx.dcp_size, ctx.pcp_size, ctx.interleave)
 
 
 def _scales_from_description(desc: Any, path: str) -> KVScales:
@@ -374,17 +318,6 @@ class StateReshardError(ValueError):
     def __init__(self, layer: int, kind: str, reason: str, message: str) -> None:
         super().__init__(message)
         self.layer, self.kind, self.reason = layer, kind, reason
-
-
-_STATE_FIELDS = (
-    "kind",
-    "dims",
-    "conv_dtype",
-    "ssm_dtype",
-    "conv_layout",
-    "canonical_bytes",
-    "opaque",
-)
 
 
 @dataclass(frozen=True)
@@ -421,22 +354,18 @@ class StateGeometry:
                 object.__setattr__(self, name, dtype_name(value))
         check_int("canonical_bytes", self.canonical_bytes, minimum=0, maximum=MAX_PAGE_BYTES)
         _flag(self, "opaque")
-        _topology(self, _TOPO_STATE, "state layer")
+        _check_topology(self, _TOPO_STATE, "state layer")
         spec = self.spec()
         if self.opaque:
             if not self.reason:
                 tp, dcp, pcp = self.topology
-                why = (
-                    "unrecognised state layout"
-                    if spec is None
-                    else state_certification_failure(spec, tp, dcp_size=dcp, pcp_size=pcp)
-                )
-                object.__setattr__(self, "reason", why or "stored opaquely")
+                why = spec and state_certification_failure(spec, tp, dcp_size=dcp, pcp_size=pcp)
+                why = why or ("unrecognised state layout" if spec is None else "stored opaquely")
+                object.__setattr__(self, "reason", why)
         elif spec is None:
             raise ValueError(
-                "opaque: a certified state layer must know its kind, dims, dtypes "
-                "and conv layout; build one of unknown layout with "
-                "StateGeometry.opaque_from_bytes"
+                "opaque: a certified state layer must know its kind, dims, dtypes and conv "
+                "layout; build one of unknown layout with StateGeometry.opaque_from_bytes"
             )
         elif self.canonical_bytes != spec.canonical_bytes:
             raise ValueError(
@@ -462,10 +391,8 @@ class StateGeometry:
         """State layer ``spec`` in ``ctx``'s group: certified when ``layouts.state``
         certifies the topology, else opaque, with ``tensor_bytes`` (one rank's bytes per
         slot of each state tensor, required then)."""
-        if not isinstance(spec, StateSpec):
-            raise TypeError(f"spec: expected a StateSpec, got {type(spec).__name__}")
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        check_type("spec", spec, StateSpec)
+        topology = _ctx_topology(ctx)[:3]
         common = (spec.kind, spec.dims, spec.conv_dtype, spec.ssm_dtype, spec.conv_layout)
         reason = state_certification_failure(
             spec, ctx.tp_size, dcp_size=ctx.dcp_size, pcp_size=ctx.pcp_size
@@ -477,31 +404,14 @@ class StateGeometry:
                 f"tensor_bytes: {spec.kind} state cannot be resharded ({reason}); "
                 f"its opaque geometry needs each state tensor's bytes per slot on one rank"
             )
-        return cls(
-            *common,
-            ctx.group_size * _sum_sizes(tensor_bytes),
-            True,
-            (ctx.tp_size, ctx.dcp_size, ctx.pcp_size),
-            reason,
-        )
+        return cls(*common, ctx.group_size * _sum_sizes(tensor_bytes), True, topology, reason)
 
     @classmethod
     def opaque_from_bytes(cls, tensor_bytes: Sequence[int], ctx: RankContext) -> StateGeometry:
         """A state layer of unknown layout: each rank's slot (``tensor_bytes`` per tensor) whole."""
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
-        u = _UNKNOWN
-        return cls(
-            u,
-            (),
-            u,
-            u,
-            u,
-            ctx.group_size * _sum_sizes(tensor_bytes),
-            True,
-            (ctx.tp_size, ctx.dcp_size, ctx.pcp_size),
-            "unrecognised state layout",
-        )
+        topology, u = _ctx_topology(ctx)[:3], _UNKNOWN
+        size = ctx.group_size * _sum_sizes(tensor_bytes)
+        return cls(u, (), u, u, u, size, True, topology, "unrecognised state layout")
 
     def describe(self) -> dict[str, Any]:
         return _describe(self, _STATE_FIELDS, _TOPO_STATE) | {"dims": dict(self.dims)}
@@ -514,7 +424,7 @@ class StateGeometry:
     def refusal(self, layer: int, ctx: RankContext) -> StateReshardError | None:
         """The error for ``ctx``'s topology asking for this layer's units, or None when it
         may read them (certified, or the writer's own topology)."""
-        here = (ctx.tp_size, ctx.dcp_size, ctx.pcp_size)
+        here = _ctx_topology(ctx)[:3]
         if not self.opaque or here == self.topology:
             return None
         tp, dcp, pcp = self.topology
@@ -530,3 +440,8 @@ class StateGeometry:
 
 def _sum_sizes(tensor_bytes: Sequence[int]) -> int:
     return sum(check_int(f"tensor_bytes[{i}]", b, minimum=0) for i, b in enumerate(tensor_bytes))
+
+
+# What a description holds besides the topology (the dataclass fields, in their order).
+_LAYER_FIELDS = tuple(f.name for f in fields(LayerGeometry) if f.name not in ("topology", "scales"))
+_STATE_FIELDS = tuple(f.name for f in fields(StateGeometry) if f.name not in ("topology", "reason"))

@@ -11,7 +11,8 @@ bytes), ``miss`` (nothing usable), ``corrupt``, ``error`` (``error`` holds the e
 or ``expired``: the job ran past the pool's ``deadline_s``. Its thread is then abandoned
 (its late result dropped) and replaced, so a stuck syscall never pins the pool. A work
 function calls ``current_job().claim()`` right before it writes caller memory or
-publishes, and does bounded work until ``release()``: an expired job never writes.
+publishes, and does bounded work until ``release()``: an expired job never writes (claim
+and expiry swap one native state word, so GIL-free I/O in ``_unitio`` claims too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._unitio import JobState
 from ..checks import check_int, check_seconds
 
 __all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "current_job", "run_inline"]
@@ -72,7 +74,7 @@ class IOJob:
     _fn: Callable[[], JobOutcome | None] | None = field(default=None, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _collected: bool = field(default=False, repr=False)
-    _claimed: bool = field(default=False, repr=False)
+    _state: JobState = field(default_factory=JobState, repr=False)  # running/claimed/expired
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -95,16 +97,11 @@ class IOJob:
 
     def claim(self) -> bool:
         """False when the job expired; else True, and the deadline waits until :meth:`release`."""
-        with self._lock:
-            if self.status == "expired":
-                return False
-            self._claimed = True
-            return True
+        return self._state.claim()
 
     def release(self) -> None:
         """End a claim: the deadline applies again."""
-        with self._lock:
-            self._claimed = False
+        self._state.release()
 
     def _finish(self, status: str, detail: str = "") -> None:
         self._fn, self.status, self.detail = None, status, detail
@@ -313,7 +310,7 @@ class JobPool:
                     with job._lock:
                         if job._done.is_set():
                             continue
-                        if job._claimed:  # writing: look again shortly
+                        if not job._state.expire():  # claimed: writing; look again shortly
                             wake = min(wake, now + 0.01)
                             continue
                         job._finish("expired", f"ran past the pool's deadline of {deadline_s} s")

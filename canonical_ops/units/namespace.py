@@ -1,18 +1,16 @@
 """Store namespaces: what a reader must share with a writer to reuse its canonical KV.
 
-A :class:`StoreNamespace` describes everything that decides the bytes of a unit and their
-meaning: canonical format, model identity, KV quantisation, and every layer's canonical
-page (:class:`LayerGeometry`) and state slot (:class:`StateGeometry`), as ``layouts``
-derived them. Its :attr:`~StoreNamespace.digest` (sha256 of canonical JSON) tags every
-unit; a reader of another digest never sees it. Tensor, decode- and prefill-context
-parallelism are NOT in it for certified layers (canonical pages are parallelism free);
-an *opaque* layer (stored as each rank's page whole) carries its topology instead.
-Canonical JSON: keys sorted, no whitespace, ASCII, no NaN, integral floats as ints.
+A :class:`StoreNamespace` holds what decides a unit's bytes and meaning (format, model, KV
+quantisation, every layer's page and state slot); its digest, sha256 of the canonical JSON of
+its description (keys sorted, no whitespace, ASCII, no NaN, integral floats as ints), tags
+every unit. TP / DCP / PCP are in it only for opaque layers (canonical pages are parallelism
+free).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from bisect import bisect_left, bisect_right
@@ -24,6 +22,7 @@ from typing import Any
 from layouts import KVScales, LayerSpec, RankContext, canonical_format_id
 
 from ..checks import check_int
+from .auth import StoreSecret
 from .geometry import (
     LayerGeometry,
     StateGeometry,
@@ -32,19 +31,13 @@ from .geometry import (
     _choice,
     _strict,
     canonical_json,
+    check_type,
 )
 
 __all__ = [
-    "NAMESPACE_SCHEMA",
-    "UNIT_KINDS",
-    "LayerGeometry",
-    "ModelIdentity",
-    "StateGeometry",
-    "StateReshardError",
-    "StoreNamespace",
-    "canonical_json",
-    "is_namespace_hex",
-]
+    "NAMESPACE_SCHEMA", "UNIT_KINDS", "LayerGeometry", "ModelIdentity", "StateGeometry",
+    "StateReshardError", "StoreNamespace", "canonical_json", "is_namespace_hex",
+]  # fmt: skip
 
 # Part of the digest: a change of what the description means never aliases an older one.
 NAMESPACE_SCHEMA = "canonical-kv.store-namespace.v1"
@@ -66,8 +59,7 @@ class ModelIdentity:
     def __post_init__(self) -> None:
         _check_str("name", self.name)
         _check_str("revision", self.revision, empty=True)
-        if not isinstance(self.extra, Mapping):
-            raise TypeError(f"extra: expected a mapping, got {type(self.extra).__name__}")
+        check_type("extra", self.extra, Mapping)
         frozen = json.loads(canonical_json(self.extra, "extra"))  # later changes cannot reach it
         object.__setattr__(self, "extra", MappingProxyType(frozen))
 
@@ -78,10 +70,7 @@ class ModelIdentity:
 def _geometries(name: str, values: Any, kind: type) -> tuple:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(f"{name}: expected a sequence of {kind.__name__}, got {values!r}")
-    for i, value in enumerate(values):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name}[{i}]: expected a {kind.__name__}, got {type(value).__name__}")
-    return tuple(values)
+    return tuple(check_type(f"{name}[{i}]", value, kind) for i, value in enumerate(values))
 
 
 @dataclass(frozen=True)
@@ -110,8 +99,7 @@ class StoreNamespace:
 
     def __post_init__(self) -> None:
         _choice("format_id", _check_str("format_id", self.format_id), _FORMAT_IDS)
-        if not isinstance(self.model, ModelIdentity):
-            raise TypeError(f"model: expected a ModelIdentity, got {type(self.model).__name__}")
+        check_type("model", self.model, ModelIdentity)
         _check_str("kv_quant", self.kv_quant)
         _choice("unit_kind", self.unit_kind, UNIT_KINDS)
         states = _geometries("states", self.states, StateGeometry)
@@ -136,25 +124,16 @@ class StoreNamespace:
             raise ValueError("secret: expected a StoreSecret whose key_id is the namespace's")
         object.__setattr__(self, "states", states)
         object.__setattr__(self, "layers", layers)
-        sizes = (
-            [s.canonical_bytes for s in states]
-            if self.unit_kind == "state"
-            else [g.canonical_page_size_bytes for g in layers]
-        )
-        prefix = [0]
-        for size in sizes:
-            prefix.append(prefix[-1] + size)
-        object.__setattr__(self, "_prefix", tuple(prefix))
+        pages = [g.canonical_page_size_bytes for g in layers]
+        sizes = [s.canonical_bytes for s in states] if self.unit_kind == "state" else pages
+        object.__setattr__(self, "_prefix", tuple(itertools.accumulate(sizes, initial=0)))
         text = canonical_json(self.describe())
         object.__setattr__(self, "_digest", hashlib.sha256(text.encode("ascii")).digest())
 
     def authenticated(self, secret: Any) -> StoreNamespace:
         """This namespace for units MAC-ed with ``secret`` (a :class:`~.auth.StoreSecret`):
         its description carries the key's id, so its digest is another."""
-        from .auth import StoreSecret
-
-        if not isinstance(secret, StoreSecret):
-            raise TypeError(f"secret: expected a StoreSecret, got {type(secret).__name__}")
+        check_type("secret", secret, StoreSecret)
         return replace(self, key_id=secret.key_id, secret=secret)
 
     def state_units(self) -> StoreNamespace:
@@ -168,8 +147,7 @@ class StoreNamespace:
     def check_state_readable(self, ctx: RankContext) -> None:
         """Raise :class:`StateReshardError` (naming the layer, its kind and why) when a
         state layer here is opaque and ``ctx`` is not its writer's topology."""
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        check_type("ctx", ctx, RankContext)
         for i, state in enumerate(self.states):
             if (error := state.refusal(i, ctx)) is not None:
                 raise error
@@ -213,17 +191,13 @@ class StoreNamespace:
             elif fallback_page_sizes is None or block_size is None:
                 raise ValueError(f"specs[{i}]: None needs fallback_page_sizes[{i}] and block_size")
             else:
-                layers.append(
-                    LayerGeometry.opaque_from_bytes(
-                        fallback_page_sizes[i], ctx, block_size=block_size
-                    )
-                )
+                page = fallback_page_sizes[i]
+                layers.append(LayerGeometry.opaque_from_bytes(page, ctx, block_size=block_size))
         orders = {s.order for s in specs if s is not None and s.attention == "full"}
         if len(orders) > 1:
             raise ValueError(f"specs: expected one stride order for all layers, got {orders}")
-        return cls(
-            canonical_format_id(orders.pop() if orders else "NHD"), model, kv_quant, tuple(layers)
-        )
+        order = orders.pop() if orders else "NHD"
+        return cls(canonical_format_id(order), model, kv_quant, tuple(layers))
 
     @property
     def digest(self) -> bytes:
@@ -260,12 +234,8 @@ class StoreNamespace:
         ``ValueError`` on anything missing, unknown or inconsistent."""
         fields_ = ("schema", "format_id", "model", "kv_quant", "num_layers", "layers")
         d = _strict(desc, "namespace", fields_, ("states", "unit_kind", "key_id"))
-        states, layers, model = d.get("states", []), d["layers"], d["model"]
-        if (
-            not isinstance(states, list)
-            or len(states) > MAX_LAYERS
-            or ("states" in d and not states)
-        ):
+        states, layers = d.get("states", []), d["layers"]
+        if "states" in d and not (isinstance(states, list) and 0 < len(states) <= MAX_LAYERS):
             raise ValueError(
                 f"states: expected a non-empty list of at most {MAX_LAYERS} state layers"
             )
@@ -273,26 +243,23 @@ class StoreNamespace:
             raise ValueError("unit_kind, key_id: expected them absent for their defaults")
         if d["schema"] != NAMESPACE_SCHEMA:
             raise ValueError(f"schema: expected {NAMESPACE_SCHEMA!r}, got {d['schema']!r}")
-        _strict(model, "model", ("name", "revision", "extra"))
+        model = _strict(d["model"], "model", ("name", "revision", "extra"))
         if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
             raise ValueError(f"layers: expected a list of at most {MAX_LAYERS} layers")
         if d["num_layers"] != len(layers):
             raise ValueError(
                 f"num_layers: expected {len(layers)} (the layers listed), got {d['num_layers']!r}"
             )
+        layers = tuple(
+            LayerGeometry.from_description(g, f"layers[{i}]") for i, g in enumerate(layers)
+        )
+        states = tuple(
+            StateGeometry.from_description(g, f"states[{i}]") for i, g in enumerate(states)
+        )
+        kinds = (d.get("unit_kind", "kv"), d.get("key_id", ""))
         try:
             return cls(
-                d["format_id"],
-                ModelIdentity(model["name"], model["revision"], model["extra"]),
-                d["kv_quant"],
-                tuple(
-                    LayerGeometry.from_description(g, f"layers[{i}]") for i, g in enumerate(layers)
-                ),
-                tuple(
-                    StateGeometry.from_description(s, f"states[{i}]") for i, s in enumerate(states)
-                ),
-                d.get("unit_kind", "kv"),
-                d.get("key_id", ""),
+                d["format_id"], ModelIdentity(**model), d["kv_quant"], layers, states, *kinds
             )
         except TypeError as error:
             raise ValueError(str(error)) from None
@@ -335,12 +302,8 @@ class StoreNamespace:
         only when zero-byte opaque layers follow)."""
         first = check_int("first", first, minimum=0, maximum=self.num_layers - 1)
         target = self._prefix[first] + check_int("payload_bytes", payload_bytes, minimum=0)
-        return list(
-            range(
-                max(bisect_left(self._prefix, target), first + 1),
-                bisect_right(self._prefix, target),
-            )
-        )
+        low = max(bisect_left(self._prefix, target), first + 1)
+        return list(range(low, bisect_right(self._prefix, target)))
 
     @property
     def topology_bound(self) -> bool:

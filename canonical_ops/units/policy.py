@@ -1,19 +1,35 @@
-"""Which units to evict: least recently used first, tails first among equally recent ones.
-
-Recency is quantised to ``granularity_s``: units used within one bucket count as
-equally recent, and among them the tails (higher prefix position) go before the heads,
-since a tail is useless without its head. :class:`LruPolicy` keeps the index order of a
-:class:`~.files.FileStore` and chooses victims for it and for ``store gc``.
+"""Which units to evict: least recently used first, tails first among equally recent ones
+(recency quantised to ``granularity_s``; a tail is useless without its head).
+:class:`LruPolicy` is a :class:`~.files.FileStore`'s index and ``store gc``'s order.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Entry", "LruPolicy"]
+from ..checks import check_seconds
+
+__all__ = ["Entry", "LruPolicy", "cover"]
+
+
+def cover(
+    ranges: Collection[tuple[int, int]], first: int, end: int
+) -> list[tuple[int, int]] | None:
+    """Layer ranges covering ``[first, end)``: the exact one if there, else greedy (each
+    reaching furthest); None when they do not."""
+    if (first, end) in ranges:
+        return [(first, end)]
+    chain, at = [], first
+    while at < end:
+        best = max((r for r in ranges if r[0] <= at < r[1]), default=None, key=lambda r: r[1])
+        if best is None:
+            return None
+        chain.append(best)
+        at = best[1]
+    return chain
 
 
 @dataclass(eq=False)
@@ -40,10 +56,7 @@ class LruPolicy:
     some bytes), and per key digest (the units that cover a layer range)."""
 
     def __init__(self, granularity_s: float = 1.0) -> None:
-        if isinstance(granularity_s, bool) or not isinstance(granularity_s, (int, float)):
-            raise TypeError(f"recency_granularity_s: expected seconds > 0, got {granularity_s!r}")
-        if not granularity_s > 0:
-            raise ValueError(f"recency_granularity_s: expected seconds > 0, got {granularity_s!r}")
+        granularity_s = check_seconds("recency_granularity_s", granularity_s)
         self.granularity_ns = max(1, int(granularity_s * 1e9))
         self._order: OrderedDict[Hashable, Entry] = OrderedDict()
         self._by_key: dict[str, dict[tuple[int, int], Entry]] = {}
@@ -83,18 +96,10 @@ class LruPolicy:
         """Units of ``kd`` covering layers [first, end): the exact one if any, else greedy
         (each reaching furthest); None when they do not. ``excluded``: idents to skip."""
         ranges = self._by_key.get(kd, {})
-        exact = ranges.get((first, end))
-        if exact is not None and exact.ident not in excluded:
-            return [exact]
-        chain, at = [], first
-        while at < end:
-            usable = [e for e in ranges.values() if e.first <= at < e.end]
-            usable = [e for e in usable if e.ident not in excluded]
-            if not usable:
-                return None
-            chain.append(max(usable, key=lambda e: e.end))
-            at = chain[-1].end
-        return chain
+        if excluded:
+            ranges = {r: e for r, e in ranges.items() if e.ident not in excluded}
+        chain = cover(ranges, first, end)
+        return None if chain is None else [ranges[r] for r in chain]
 
     def touch(self, entry: Entry, now_ns: int) -> None:
         """``entry`` was used at ``now_ns``: the most recent now."""

@@ -1,27 +1,25 @@
-"""``python -m canonical_ops store stats|verify|gc URL``: inspect and maintain a Redis / Valkey store.
+"""``python -m canonical_ops store stats|verify|gc URL``: the Redis / Valkey side of :mod:`.cli`.
 
-Every primary of a cluster is read. Sizes are server memory (``MEMORY USAGE``)
-and recency ``OBJECT IDLETIME``, both read without touching the keys' LRU
-clocks, so a look does not change what the server evicts next; ``verify`` reads
-every value and checks it against its namespace's description (kept beside the
-units by every engine; an authenticated namespace needs the engines' secret in
-the environment). Exit codes as for a file store: 0; 1 when ``verify`` finds a
-unit it cannot vouch for; 2 for bad arguments or an unusable server (one line on
-stderr). URLs are printed redacted.
+Every primary of a cluster is read. Sizes (``MEMORY USAGE``) and recency (``OBJECT
+IDLETIME``) are read without touching the keys' LRU clocks, so a look does not change what
+the server evicts next; ``verify`` checks every value against its namespace's description
+(kept beside the units by every engine; an authenticated one needs the engines' secret in
+the environment). Exit codes as for files (2 also for an unusable server); URLs redacted.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
-from .auth import StoreSecret
+from ..checks import check_int
+from .cli import print_gc, print_stats, print_verify, read_namespace, stats_item
 from .namespace import StoreNamespace
 from .redis_connection import _UNAVAILABLE, client_options, start_error
 from .redis_url import parse_url, redact_url
@@ -31,7 +29,6 @@ __all__ = ["run"]
 
 _UNIT = re.compile(rb"(.*):v1:\{([0-9a-f]{32}):([0-9a-f]{32})\}:(\d{1,6})-(\d{1,6})")
 _DESCRIPTION = re.compile(rb"(.*):v1:namespace:([0-9a-f]{32})")
-_MAX_DESCRIPTION = 1 << 20
 _BATCH = 256  # commands per pipeline
 _BUCKET_S = 60  # units idle within the same minute are equally old: tails go first
 
@@ -40,15 +37,16 @@ class _Refused(Exception):
     """The command cannot run against this server (one line for stderr)."""
 
 
-@dataclass
-class _Unit:
-    node: Any
-    key: bytes
+class _Unit(NamedTuple):
+    """A unit's key digest, layers, server memory and idle time; its node and key."""
+
     kd: str
     first: int
     end: int
-    nbytes: int = 0
-    idle_s: int = 0
+    nbytes: int
+    idle_s: int
+    node: Any
+    key: bytes
 
 
 @dataclass
@@ -57,7 +55,7 @@ class _Space:
 
     hex: str
     namespace: StoreNamespace | None = None
-    problem: str | None = "namespace description missing (no engine stored here since)"
+    problem: str = "namespace description missing (no engine stored here since)"
     units: list[_Unit] = field(default_factory=list)
 
 
@@ -91,48 +89,37 @@ def _replies(node: redis.Redis, commands: list[tuple]) -> list[Any]:
     return out
 
 
-def _namespace(hex32: str, text: Any) -> tuple[StoreNamespace | None, str | None]:
-    """A namespace description read from the server (never trusted: its digest must be
-    the one its key names); authenticated with the environment's secret when it is its."""
-    try:
-        if not isinstance(text, bytes) or len(text) > _MAX_DESCRIPTION:
-            raise ValueError("not a description")
-        namespace = StoreNamespace.from_description(json.loads(text))
-    except (ValueError, UnicodeDecodeError) as error:
-        return None, f"namespace description unreadable ({error})"
-    if namespace.hex[:32] != hex32:
-        return None, f"namespace description of {namespace.hex[:16]}..., not of its key"
-    secret = StoreSecret.from_env() if namespace.key_id else None
-    if secret is not None and secret.key_id == namespace.key_id:
-        namespace = namespace.authenticated(secret)
-    return namespace, None
+def _ask(units: list[_Unit], *commands: Callable[[_Unit], tuple]) -> list[Any]:
+    """Per unit the reply of ``commands[0](unit)`` (each unit's ``commands`` sent in
+    order), pipelined on the unit's node."""
+    replies: dict[int, Any] = {}
+    for node in {id(u.node): u.node for u in units}.values():
+        mine = [u for u in units if u.node is node]
+        got = _replies(node, [command(u) for u in mine for command in commands])
+        replies.update(zip(map(id, mine), got[:: len(commands)]))
+    return [replies[id(u)] for u in units]
 
 
-def _scan(
-    nodes: list[redis.Redis], prefix: str, recency: bool
-) -> tuple[dict[str, _Space], int, int]:
-    """Namespaces (with their units' memory and, for ``recency``, idle time), index keys,
-    other keys."""
+def _scan(nodes: list[redis.Redis], prefix: str, recency: bool) -> tuple[dict[str, _Space], dict]:
+    """Namespaces (with their units' memory and, for ``recency``, idle time), and the
+    counts of index keys and other keys."""
     spaces: dict[str, _Space] = {}
-    indexes = others = 0
+    counts = {"index_keys": 0, "other_keys": 0}
     for node in nodes:
         found, described = [], []
         for key in node.scan_iter(match=f"{prefix}:v*", count=1000):
             unit, desc = _UNIT.fullmatch(key), _DESCRIPTION.fullmatch(key)
             if unit and unit[1] == prefix.encode():
-                found.append((unit[2].decode(), _Unit(node, key, unit[3].decode(),
-                                                      int(unit[4]), int(unit[5]))))  # fmt: skip
+                found.append((unit[2].decode(), unit[3].decode(), int(unit[4]), int(unit[5]), key))
             elif desc and desc[1] == prefix.encode():
                 described.append((desc[2].decode(), key))
-            elif key.endswith(b":idx"):
-                indexes += 1
             else:
-                others += 1
+                counts["index_keys" if key.endswith(b":idx") else "other_keys"] += 1
         per = 2 if recency else 1  # OBJECT IDLETIME: only gc needs it
-        commands = [c for _, u in found for c in (("MEMORY", "USAGE", u.key, "SAMPLES", "0"),
-                                                   ("OBJECT", "IDLETIME", u.key))[:per]]  # fmt: skip
+        commands = [c for *_, k in found for c in (("MEMORY", "USAGE", k, "SAMPLES", "0"),
+                                                    ("OBJECT", "IDLETIME", k))[:per]]  # fmt: skip
         replies = _replies(node, commands + [("GET", key) for _, key in described])
-        for i, (hex32, unit) in enumerate(found):
+        for i, (hex32, kd, first, end, key) in enumerate(found):
             size, idle = replies[per * i], replies[per * i + per - 1] if recency else 0
             if isinstance(idle, redis.ResponseError):
                 raise _Refused(
@@ -140,50 +127,13 @@ def _scan(
                     "owns eviction; set maxmemory there instead of running store gc"
                 )
             if isinstance(size, int):  # None: evicted or expired meanwhile
-                unit.nbytes, unit.idle_s = size, idle if isinstance(idle, int) else 0
+                idle = idle if isinstance(idle, int) else 0
+                unit = _Unit(kd, first, end, size, idle, node, key)
                 spaces.setdefault(hex32, _Space(hex32)).units.append(unit)
         for (hex32, _), text in zip(described, replies[len(commands) :]):
             space = spaces.setdefault(hex32, _Space(hex32))
-            space.namespace, space.problem = _namespace(hex32, text)
-    return spaces, indexes, others
-
-
-def _stats(shown: str, spaces: dict[str, _Space], counts: tuple, as_json: bool) -> int:
-    report = []
-    for hex32, space in sorted(spaces.items()):
-        ns = space.namespace
-        ranges = Counter(f"{u.first}-{u.end}" for u in space.units)
-        report.append({
-            "namespace": ns.hex if ns else hex32,
-            "model": ns.model.name if ns else None,
-            "revision": ns.model.revision if ns else None,
-            "format_id": ns.format_id if ns else None,
-            "kv_quant": ns.kv_quant if ns else None,
-            "num_layers": ns.num_layers if ns else None,
-            "authenticated": bool(ns.key_id) if ns else None,
-            "units": len(space.units),
-            "bytes": sum(u.nbytes for u in space.units),
-            "keys": len({u.kd for u in space.units}),
-            "layer_ranges": dict(sorted(ranges.items())),
-            "problem": space.problem,
-        })  # fmt: skip
-    if as_json:
-        print(json.dumps({"url": shown, "namespaces": report, "index_keys": counts[0],
-                          "other_keys": counts[1]}, indent=1))  # fmt: skip
-        return 0
-    print(f"{shown}: {len(report)} namespace(s), {counts[1]} other key(s)")
-    for item in report:
-        print(f"  {item['namespace'][:16]}  model={item['model'] or '?'} "
-              f"rev={item['revision'] or '-'} format={item['format_id'] or '?'} "
-              f"layers={item['num_layers'] or '?'}"
-              f"{' authenticated' if item['authenticated'] else ''}")  # fmt: skip
-        print(f"    units={item['units']} bytes={item['bytes']} keys={item['keys']}")
-        if item["layer_ranges"]:
-            ranges = ", ".join(f"[{r}): {n}" for r, n in item["layer_ranges"].items())
-            print(f"    layer ranges: {ranges}")
-        if item["problem"]:
-            print(f"    PROBLEM: {item['problem']}")
-    return 0
+            space.namespace, space.problem = read_namespace(text, hex32, "key")
+    return spaces, counts
 
 
 def _problem(space: _Space, unit: _Unit, value: Any) -> str | None:
@@ -201,26 +151,17 @@ def _problem(space: _Space, unit: _Unit, value: Any) -> str | None:
     return None if key_digest(header.key) == unit.kd else "unit is for another key"
 
 
-def _verify(shown: str, spaces: dict[str, _Space], as_json: bool) -> int:
+def _verify(where: dict, spaces: dict[str, _Space], as_json: bool) -> int:
     bad, checked = [], 0
     for space in spaces.values():
-        for node in {id(u.node): u.node for u in space.units}.values():
-            mine = [u for u in space.units if u.node is node]
-            for unit, value in zip(mine, _replies(node, [("GET", u.key) for u in mine])):
-                if value is None:  # evicted or expired while we looked: not a bad unit
-                    continue
-                checked += 1
-                why = _problem(space, unit, value)
-                if why is not None:
-                    bad.append({"key": unit.key.decode(), "reason": why})
-    if as_json:
-        print(json.dumps({"url": shown, "namespaces": len(spaces), "checked": checked,
-                          "bad_count": len(bad), "bad": bad, "ok": not bad}, indent=1))  # fmt: skip
-    else:
-        print(f"{shown}: {checked} unit(s) in {len(spaces)} namespace(s) checked, {len(bad)} bad")
-        for item in bad:
-            print(f"BAD {item['key']}: {item['reason']}")
-    return 1 if bad else 0
+        for unit, value in zip(space.units, _ask(space.units, lambda u: ("GET", u.key))):
+            if value is None:  # evicted or expired while we looked: not a bad unit
+                continue
+            checked += 1
+            why = _problem(space, unit, value)
+            if why is not None:
+                bad.append({"key": unit.key.decode(), "reason": why})
+    return print_verify(where, len(spaces), checked, bad, as_json)
 
 
 def _victims(units: list[_Unit], capacity: int) -> list[_Unit]:
@@ -234,14 +175,8 @@ def _victims(units: list[_Unit], capacity: int) -> list[_Unit]:
     for age in sorted(buckets, reverse=True):
         bucket = buckets[age]
         if 0 < excess < sum(u.nbytes for u in bucket):  # the cut: read positions (GETRANGE)
-            positions = {}
-            for node in {id(u.node): u.node for u in bucket}.values():
-                mine = [u for u in bucket if u.node is node]
-                got = _replies(node, [("GETRANGE", u.key, 32, 39) for u in mine])
-                for unit, raw in zip(mine, got):
-                    ok = isinstance(raw, bytes) and len(raw) == 8
-                    positions[id(unit)] = int.from_bytes(raw, "little") if ok else 1 << 63
-            bucket.sort(key=lambda u: positions[id(u)], reverse=True)
+            raw = dict(zip(map(id, bucket), _ask(bucket, lambda u: ("GETRANGE", u.key, 32, 39))))
+            bucket.sort(key=lambda u: _position(raw[id(u)]), reverse=True)
         for unit in bucket:
             if excess <= 0:
                 return victims
@@ -250,28 +185,28 @@ def _victims(units: list[_Unit], capacity: int) -> list[_Unit]:
     return victims
 
 
-def _gc(shown: str, spaces: dict[str, _Space], capacity: int, dry_run: bool, as_json: bool) -> int:
+def _position(raw: Any) -> int:
+    """A unit's position from its header's bytes 32..39 (unreadable: it goes first)."""
+    return int.from_bytes(raw, "little") if isinstance(raw, bytes) and len(raw) == 8 else 1 << 63
+
+
+def _unlisted(unit: _Unit) -> tuple:
+    """The command taking ``unit``'s range out of its key's index."""
+    return ("ZREM", unit.key.rsplit(b":", 1)[0] + b":idx", b"%d-%d" % (unit.first, unit.end))
+
+
+def _gc(where: dict, spaces: dict[str, _Space], capacity: int, dry_run: bool, as_json) -> int:
     units = [u for space in spaces.values() for u in space.units]
     victims = _victims(units, capacity)
-    for node in {id(u.node): u.node for u in victims}.values() if not dry_run else ():
-        mine = [u for u in victims if u.node is node]
-        _replies(node, [c for u in mine for c in (
-            ("DEL", u.key), ("ZREM", u.key.rsplit(b":", 1)[0] + b":idx", b"%d-%d" % (u.first, u.end))
-        )])  # fmt: skip
+    if not dry_run:
+        _ask(victims, lambda u: ("DEL", u.key), _unlisted)
     evicted = sum(u.nbytes for u in victims)
-    left = sum(u.nbytes for u in units) - evicted
-    if as_json:
-        print(json.dumps({"url": shown, "capacity_bytes": capacity, "dry_run": dry_run,
-                          "units_evicted": len(victims), "bytes_evicted": evicted,
-                          "units_left": len(units) - len(victims), "bytes_left": left,
-                          "evicted": [u.key.decode() for u in victims]}, indent=1))  # fmt: skip
-        return 0
-    print(f"{shown}: {'would evict' if dry_run else 'evicted'} {len(victims)} unit(s) "
-          f"({evicted} bytes); {len(units) - len(victims)} unit(s), {left} bytes left "
-          f"(capacity {capacity})")  # fmt: skip
-    for unit in victims if dry_run else ():
-        print(f"  {unit.key.decode()}  {unit.nbytes} bytes, idle {unit.idle_s} s")
-    return 0
+    left = (len(units) - len(victims), sum(u.nbytes for u in units) - evicted)
+    report = {"capacity_bytes": capacity, "dry_run": dry_run, "units_evicted": len(victims),
+              "bytes_evicted": evicted, "units_left": left[0], "bytes_left": left[1],
+              "evicted": [u.key.decode() for u in victims]}  # fmt: skip
+    listing = [f"{u.key.decode()}  {u.nbytes} bytes, idle {u.idle_s} s" for u in victims]
+    return print_gc(where, report, left, listing if dry_run else [], as_json)
 
 
 def run(
@@ -283,11 +218,9 @@ def run(
     capacity: int | None = None,
     key_prefix: str = "ckv",
 ) -> int:
-    """Run ``store stats|verify|gc`` against the Redis store at ``url``; the exit code.
-
-    ``gc`` evicts least recently used units (tails first) until the units' server
-    memory is at most ``capacity`` bytes; ``dry_run`` only lists them.
-    """
+    """Run ``store stats|verify|gc`` against the Redis store at ``url``; the exit code. ``gc``
+    evicts least recently used units (tails first) until the units' server memory is at most
+    ``capacity`` bytes; ``dry_run`` only lists them."""
     shown = redact_url(url)
 
     def fail(message: str) -> int:
@@ -300,16 +233,19 @@ def run(
         return fail("--capacity: expected with gc (bytes), and only with gc")
     if dry_run and command != "gc":
         return fail("--dry-run: only gc has it")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or capacity < 0):  # fmt: skip
-        return fail(f"--capacity: expected bytes >= 0, got {capacity!r}")
     try:
-        spaces, indexes, others = _scan(_nodes(url), key_prefix, command == "gc")
+        if capacity is not None:
+            check_int("--capacity", capacity, minimum=0)
+        spaces, counts = _scan(_nodes(url), key_prefix, command == "gc")
         if command == "stats":
-            return _stats(shown, spaces, (indexes, others), as_json)
+            items = [
+                stats_item(h, s.namespace, s.problem, s.units) for h, s in sorted(spaces.items())
+            ]
+            note = f", {counts['other_keys']} other key(s)"
+            return print_stats({"url": shown, **counts}, items, as_json, note)
         if command == "verify":
-            return _verify(shown, spaces, as_json)
-        return _gc(shown, spaces, capacity, dry_run, as_json)
+            return _verify({"url": shown}, spaces, as_json)
+        return _gc({"url": shown}, spaces, capacity, dry_run, as_json)
     except (TypeError, ValueError, _Refused) as error:
         return fail(str(error))
     except (redis.RedisError, *_UNAVAILABLE) as error:

@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,16 +78,10 @@ def _packing(base: type) -> type:
 
 
 def client_options(
-    url: RedisURL,
-    *,
-    cluster: bool,
-    username: str | None = None,
-    password: str | None = None,
-    db: int | None = None,
-    ssl_files: Mapping[str, str | None] | None = None,
-    client_kwargs: Mapping[str, Any] | None = None,
-    connect_timeout_s: float = 5.0,
-) -> dict[str, Any]:
+    url: RedisURL, *, cluster: bool, username: str | None = None, password: str | None = None,
+    db: int | None = None, ssl_files: Mapping[str, str | None] | None = None,
+    client_kwargs: Mapping[str, Any] | None = None, connect_timeout_s: float = 5.0,
+) -> dict[str, Any]:  # fmt: skip
     """redis-py keyword arguments: the URL's (credentials apart), then the explicit ones."""
     scheme = url.scheme.replace("+cluster", "")
     try:  # the address carries no credentials: redis-py's messages cannot leak them
@@ -127,11 +122,8 @@ class _Breaker:
 
     def __init__(self, threshold: int, backoff_s: float, max_backoff_s: float) -> None:
         self.threshold, self.base, self.cap = threshold, backoff_s, max_backoff_s
+        self.backoff, self._until, self._failures, self._open = backoff_s, 0.0, 0, False
         self._lock = threading.Lock()
-        self._failures = 0
-        self._open = False
-        self._until = 0.0
-        self.backoff = backoff_s
         self._probe_since: float | None = None
         self.opens = self.skips = 0
 
@@ -188,10 +180,8 @@ def start_error(url: str, has_password: bool, error: BaseException) -> tuple[str
         if not has_password:
             why = "requires a password: put it in the URL or pass password=..."
             return f"url: the server at {url!r} {why}", False
-        return (
-            f"url: authentication failed at {url!r} (wrong password or unknown user): {error}",
-            False,
-        )
+        why = "(wrong password or unknown user)"
+        return f"url: authentication failed at {url!r} {why}: {error}", False
     if isinstance(error, redis.exceptions.NoPermissionError):
         why = f"may not run the commands this tier needs ({COMMANDS} on its keys)"
         return f"url: the user of {url!r} {why}: {error}", False
@@ -202,30 +192,21 @@ def start_error(url: str, has_password: bool, error: BaseException) -> tuple[str
     return f"url: the server at {url!r} {why}: {error}", False
 
 
+@dataclass(eq=False)
 class RedisConnection:
-    """The clients of one :class:`.RedisStore` and its round trips through the breaker
-    (``url``: redacted, for messages; ``options``: :func:`client_options`; ``count``:
-    the store's counters ``round_trips``, ``errors``, ``values_deleted``)."""
+    """The clients of one :class:`.RedisStore` and its round trips through the breaker."""
 
-    def __init__(
-        self,
-        url: str,
-        options: dict[str, Any],
-        *,
-        cluster: bool,
-        timeouts: tuple[float, float],
-        retries: int,
-        breaker: _Breaker,
-        max_pipeline_bytes: int,
-        count: Callable[..., None],
-    ) -> None:
-        self.url, self.options, self.cluster = url, options, cluster
-        self.timeouts = {False: timeouts[0], True: timeouts[1]}  # by lookup: (socket, lookup)
-        self.retries, self.breaker = retries, breaker
-        self.max_pipeline_bytes = max_pipeline_bytes
-        self._count = count
-        self._lock = threading.Lock()
-        self._tls = threading.local()
+    url: str  # redacted, for messages
+    options: dict[str, Any]  # client_options()
+    cluster: bool
+    timeouts: tuple[float, float]  # socket, lookup (indexed by ``lookup``)
+    retries: int
+    breaker: _Breaker
+    max_pipeline_bytes: int
+    count: Callable[..., None]  # the store's counters round_trips, errors, values_deleted
+
+    def __post_init__(self) -> None:
+        self._lock, self._tls = threading.Lock(), threading.local()
         self._clients: tuple[Any, Any] | None = None
 
     def _new_client(self, lookup: bool) -> Any:
@@ -270,29 +251,21 @@ class RedisConnection:
             message, away = start_error(self.url, has_password, error)
             if not away or require_server:
                 raise RedisStoreError(message) from error
-            warnings.warn(
-                f"RedisStore: no server reachable at {self.url!r} ({error}); starting with the "
-                "tier off (misses, dropped stores) and probing it again later",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            off = "starting with the tier off (misses, dropped stores) and probing it again later"
+            message = f"RedisStore: no server reachable at {self.url!r} ({error}); {off}"
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
             for _ in range(self.breaker.threshold):  # open: probe later
                 self.breaker.failure()
             return
-        for result in results:
-            if isinstance(result, Exception):
-                raise RedisStoreError(start_error(self.url, has_password, result)[0])
+        if errors := [r for r in results if isinstance(r, Exception)]:
+            raise RedisStoreError(start_error(self.url, has_password, errors[0])[0])
         if results[1] != b"ckv-":  # a redis-py that packs commands differently
             raise RedisStoreError(f"url: a value written to {self.url!r} read back wrong")
 
     def _pipeline(self, client: Any, ops: Sequence[Command], **how: Any) -> list[Any]:
-        """Send ``ops`` as pipelines of at most ``max_pipeline_bytes``; replies in order.
-
-        Error replies of single commands come back in place; a failed round trip
-        raises. ``how``: ``guard`` (a context manager around each send; :func:`claimed`
-        for stores), ``direct`` (read by :func:`.redis_wire.direct_exchange`, values with
-        an ``into`` landing in ``scratch(n)``, where the store made the connections).
-        """
+        """Send ``ops`` as pipelines of at most ``max_pipeline_bytes``; replies in order (error
+        replies in place; a failed round trip raises). ``how``: ``guard`` (context manager
+        around each send), ``direct`` (:func:`.redis_wire.direct_exchange`), ``scratch``."""
         guard = how.get("guard") or contextlib.nullcontext
         results: list[Any] = []
         start = 0
@@ -309,10 +282,9 @@ class RedisConnection:
                     pipe.execute_command(*op.args)
                 with guard():
                     replies = pipe.execute(raise_on_error=False)
-            self._count("round_trips")
-            for reply in replies:
-                if isinstance(reply, _UNAVAILABLE):
-                    raise reply
+            self.count("round_trips")
+            if unavailable := [r for r in replies if isinstance(r, _UNAVAILABLE)]:
+                raise unavailable[0]
             results.extend(replies)
             start = stop
         return results
@@ -342,23 +314,19 @@ class RedisConnection:
             raise _Unavailable("server skipped (circuit breaker open after failures)")
         try:
             results = self._pipeline(self.clients()[lookup], ops, **how)
-        except _UNAVAILABLE as error:
-            self._count("errors")
-            if self.breaker.failure():
+        except (*_UNAVAILABLE, redis.RedisError) as error:
+            self.count("errors")
+            if not isinstance(error, _UNAVAILABLE):  # a reply unusable for the whole pipeline
+                self._recovered()  # the server answered
+            elif self.breaker.failure():
                 _log.warning(
                     "RedisStore %s unavailable (%s: %s): skipping it, probing again in %.1f s "
                     "(lookups 0, loads miss, stores dropped meanwhile)",
                     self.url, type(error).__name__, error, self.breaker.backoff,
                 )  # fmt: skip
             raise _Unavailable(f"{type(error).__name__}: {error}") from error
-        except redis.RedisError as error:  # a reply we cannot use for the whole pipeline
-            self._count("errors")
-            self._recovered()  # the server answered
-            raise _Unavailable(f"{type(error).__name__}: {error}") from error
         self._recovered()
-        errors = sum(isinstance(r, Exception) for r in results)
-        if errors:
-            self._count("errors", errors)
+        self.count("errors", sum(isinstance(r, Exception) for r in results))
         return results
 
     def _recovered(self) -> None:
@@ -370,7 +338,7 @@ class RedisConnection:
         with contextlib.suppress(_Unavailable):
             if ops:
                 self.roundtrip(ops)
-                self._count("values_deleted", deleted)
+                self.count("values_deleted", deleted)
 
     def close(self) -> None:
         with self._lock:

@@ -1,20 +1,16 @@
 """A shared tier of canonical units on Redis or Valkey (standalone, TLS, unix socket, or Cluster).
 
-The values are the units of the file store, byte for byte (:mod:`.unit`), so
-engines of any tensor or pipeline split on many hosts share one server's KV.
-Keys (``P`` = ``key_prefix``; ``<ns>`` = 32 hex of the namespace digest,
-``<kd>`` = :func:`.files.key_digest` of the block key)::
+The values are the file store's units, byte for byte (:mod:`.unit`). Keys (``P`` =
+``key_prefix``; ``<ns>``: 32 hex of the namespace digest; ``<kd>``: the key digest)::
 
     P:v1:{<ns>:<kd>}:<first>-<end>   a unit of layers [first, end)  (SET NX: first writer wins)
     P:v1:{<ns>:<kd>}:idx             sorted set of the stored "<first>-<end>", score = expiry (ms)
     P:v1:namespace:<ns>              the namespace's description (JSON), for the store CLI
 
-The hash tag keeps a block's keys on one cluster node, in order within a
-pipeline. A unit larger than ``max_value_bytes`` is stored as several units of
-consecutive layer ranges, each at most that big, which readers cover like the
-units of another pipeline split: one format, no manifest. Every load is
-verified before a byte reaches its destination; a bad value is a counted miss
-and is deleted. Design notes: ``docs/redis_tier.md``.
+The hash tag keeps a block's keys on one cluster node. A unit above ``max_value_bytes`` is
+stored as the units of consecutive layer ranges that fit (read like another pipeline
+split's). Every load is verified before a byte reaches its destination; a bad value is a
+counted miss and is deleted. Design notes: ``docs/redis_tier.md``.
 """
 
 from __future__ import annotations
@@ -32,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int, check_seconds
+from .geometry import check_type
 from .jobs import JobOutcome, JobPool
 from .namespace import StoreNamespace
+from .policy import cover
 from .redis_connection import (
     RedisConnection,
     RedisStoreError,
@@ -96,20 +94,6 @@ class RedisStoreMetrics(TierMetrics):
 _COUNTERS = tuple(f.name for f in fields(RedisStoreMetrics) if f.name != "available")
 
 
-def cover(ranges: set[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]] | None:
-    """Ranges covering ``[first, end)``: the exact one if present, else greedy longest-first."""
-    if (first, end) in ranges:
-        return [(first, end)]
-    chain, position = [], first
-    while position < end:
-        best = max((r for r in ranges if r[0] <= position < r[1]), default=None, key=lambda r: r[1])
-        if best is None:
-            return None
-        chain.append(best)
-        position = best[1]
-    return chain
-
-
 def parse_ranges(members: Any, num_layers: int) -> set[tuple[int, int]]:
     """Index members as layer ranges; anything malformed is ignored (never trusted)."""
     out = set()
@@ -118,24 +102,6 @@ def parse_ranges(members: Any, num_layers: int) -> set[tuple[int, int]]:
         if match and 0 <= int(match[1]) < int(match[2]) <= num_layers:
             out.add((int(match[1]), int(match[2])))
     return out
-
-
-class _Header:
-    """A unit's header, encoded (and its checksum computed) when its command is packed."""
-
-    __slots__ = ("args", "nbytes")
-
-    def __init__(self, nbytes: int, *args: Any) -> None:
-        self.nbytes, self.args = nbytes, args
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __call__(self) -> bytes:
-        header = encode_header(*self.args)
-        if len(header) != self.nbytes:  # the bulk string's length is already on the wire
-            raise RuntimeError(f"header of {len(header)} bytes, expected {self.nbytes}")
-        return header
 
 
 def _scratch(tls: threading.local, name: str, nbytes: int) -> memoryview:
@@ -174,38 +140,20 @@ class RedisStore(UnitStore):
     """
 
     def __init__(
-        self,
-        url: str,
-        namespace: StoreNamespace,
-        *,
-        cluster: bool | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        db: int | None = None,
-        secret: Any = None,
-        ttl_s: float | None = None,
-        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-        max_pipeline_bytes: int = 256 << 20,
-        socket_timeout_s: float = 5.0,
-        connect_timeout_s: float = 2.0,
-        lookup_timeout_s: float = 0.5,
-        retries: int = 2,
-        breaker_failures: int = 2,
-        breaker_backoff_s: float = 1.0,
-        breaker_max_backoff_s: float = 30.0,
-        require_server: bool = True,
-        ssl_ca_certs: str | None = None,
-        ssl_certfile: str | None = None,
-        ssl_keyfile: str | None = None,
-        client_kwargs: Mapping[str, Any] | None = None,
-        key_prefix: str = "ckv",
-        threads: int | None = None,
-        queue_depth: int | None = None,
-        pool: JobPool | None = None,
-        deadline_s: float | None = DEFAULT_DEADLINE_S,
-    ) -> None:
-        if not isinstance(namespace, StoreNamespace):
-            raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+        self, url: str, namespace: StoreNamespace, *, cluster: bool | None = None,
+        username: str | None = None, password: str | None = None, db: int | None = None,
+        secret: Any = None, ttl_s: float | None = None,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, max_pipeline_bytes: int = 256 << 20,
+        socket_timeout_s: float = 5.0, connect_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 0.5, retries: int = 2,
+        breaker_failures: int = 2, breaker_backoff_s: float = 1.0,
+        breaker_max_backoff_s: float = 30.0, require_server: bool = True,
+        ssl_ca_certs: str | None = None, ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None, client_kwargs: Mapping[str, Any] | None = None,
+        key_prefix: str = "ckv", threads: int | None = None, queue_depth: int | None = None,
+        pool: JobPool | None = None, deadline_s: float | None = DEFAULT_DEADLINE_S,
+    ) -> None:  # fmt: skip
+        check_type("namespace", namespace, StoreNamespace)
         self.namespace = namespace if secret is None else namespace.authenticated(secret)
         parsed = parse_url(url)
         self.url = redact_url(url)
@@ -223,6 +171,8 @@ class RedisStore(UnitStore):
                 raise TypeError(f"{name}: expected a str or None, got {type(value).__name__}")
         db = None if db is None else check_int("db", db, minimum=0)
         self.ttl_s = check_seconds("ttl_s", ttl_s, optional=True)
+        self._ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+        self._px = () if self._ttl_ms is None else ("PX", self._ttl_ms)  # SET's expiry
         self.max_value_bytes = check_int(
             "max_value_bytes", max_value_bytes, minimum=_MIN_VALUE_BYTES, maximum=_MAX_VALUE_LIMIT
         )
@@ -300,8 +250,7 @@ class RedisStore(UnitStore):
     def _describe(self) -> Command:
         """The namespace's description, kept beside its units for ``store verify|stats``
         (refreshed by every store: a restarted server gets it back)."""
-        px = () if self.ttl_s is None else ("PX", max(1, int(self.ttl_s * 1000)))
-        return Command("SET", self._description, self._description_json, *px)
+        return Command("SET", self._description, self._description_json, *self._px)
 
     def _pieces(self, first: int, end: int, head: int) -> list[tuple[int, int]]:
         """``[first, end)`` as consecutive ranges whose units fit ``max_value_bytes``."""
@@ -342,14 +291,10 @@ class RedisStore(UnitStore):
                     break
                 found += 1
         elapsed = time.perf_counter() - started
+        self._count("lookups", lookup_blocks=len(raws), lookup_hit_blocks=found,
+                    lookups_unavailable=unavailable, lookup_seconds_total=elapsed)  # fmt: skip
         with self._lock:
-            c = self._counts
-            c["lookups"] += 1
-            c["lookup_blocks"] += len(raws)
-            c["lookup_hit_blocks"] += found
-            c["lookups_unavailable"] += unavailable
-            c["lookup_seconds_total"] += elapsed
-            c["lookup_seconds_max"] = max(c["lookup_seconds_max"], elapsed)
+            self._counts["lookup_seconds_max"] = max(self._counts["lookup_seconds_max"], elapsed)
         return found
 
     # ------------------------------------------------------------------ store
@@ -360,10 +305,7 @@ class RedisStore(UnitStore):
         unless evicted since; score = the unit's expiry, so lookups skip expired ones)."""
         if not reqs:
             return []
-        ttl_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
-        ns = self.namespace
-        px = () if ttl_ms is None else ("PX", ttl_ms)
-        plans, ops, index = [], [], []
+        ns, plans, ops, index = self.namespace, [], [], []
         for req in reqs:
             head = header_length(req.raw_key)
             pieces = self._pieces(req.first, req.end, head)
@@ -372,10 +314,11 @@ class RedisStore(UnitStore):
             for a, b in pieces:
                 payload = req.payload[offsets[a - req.first] : offsets[b - req.first]]
                 # Header and payload leave unjoined; the header is made (hashed) as it is sent.
-                value = _Parts(_Header(head, ns, req.raw_key, a, b, req.position, payload), payload)
-                size = head + len(payload)
-                ops.append(Command("SET", self._unit(req.kd, a, b), value, *px, "NX", size=size))
-            index += self._index_ops(self._index(req.kd), pieces, ttl_ms)
+                unit = (ns, req.raw_key, a, b, req.position, payload)
+                value = _Parts((head, functools.partial(encode_header, *unit)), payload)
+                key, size = self._unit(req.kd, a, b), head + len(payload)
+                ops.append(Command("SET", key, value, *self._px, "NX", size=size))
+            index += self._index_ops(self._index(req.kd), pieces)
         index.append(self._describe())
         try:  # claimed while sending: an expired job neither reads the payloads nor publishes
             replies = self._connection.roundtrip(ops + index, direct=True, guard=claimed)
@@ -394,18 +337,15 @@ class RedisStore(UnitStore):
             return JobOutcome("error", detail=f"refused by the server: {error}", error=error)
         won = [rng for rng, reply in zip(pieces, replies) if reply is not None]
         nbytes = sum(self.namespace.layer_bytes(*rng) for rng in won)
-        with self._lock:
-            self._counts["units_stored"] += len(won)
-            self._counts["bytes_stored"] += nbytes
-            self._counts["stores_skipped"] += len(pieces) - len(won)
-        if len(won) == len(pieces):
+        skipped = len(pieces) - len(won)
+        self._count("units_stored", len(won), bytes_stored=nbytes, stores_skipped=skipped)
+        if not skipped:
             return JobOutcome("ok", nbytes=nbytes)
-        there = f"{len(pieces) - len(won)} of {len(pieces)} units" if won else "already stored"
+        there = f"{skipped} of {len(pieces)} units" if won else "already stored"
         return JobOutcome("ok", nbytes=nbytes, detail=f"{there} (another writer first)")
 
-    @staticmethod
-    def _index_ops(index: str, ranges: Sequence[tuple[int, int]], ttl_ms: int | None) -> list:
-        now_ms = time.time() * 1000.0
+    def _index_ops(self, index: str, ranges: Sequence[tuple[int, int]]) -> list:
+        ttl_ms, now_ms = self._ttl_ms, time.time() * 1000.0
         expiry = math.inf if ttl_ms is None else now_ms + ttl_ms
         members = [x for a, b in ranges for x in (expiry, f"{a}-{b}".encode())]
         # PERSIST, or PEXPIRE NX (a new index gets the TTL) and GT (an old one only grows).
@@ -419,23 +359,19 @@ class RedisStore(UnitStore):
 
     # ------------------------------------------------------------------ load
 
-    def _verify(self, raw_key: bytes, rng: tuple, header: Any, payload: Any) -> str | None:
-        """None when ``header`` + ``payload`` is exactly unit ``rng`` of ``raw_key``, else why not."""
-        try:
-            hasher, checksum = begin_unit_check(
-                header, namespace=self.namespace, key=raw_key, first=rng[0], end=rng[1]
-            )
-            if len(payload) != self.namespace.layer_bytes(*rng):
-                return f"payload of {len(payload)} bytes"
-            hasher.update(payload)
-            return None if hasher.digest() == checksum else "checksum mismatch"
-        except CorruptUnit as bad:
-            return bad.reason
-
     def _land(self, ld: _Load, rng: tuple[int, int], header: Any, payload: Any) -> tuple:
         """A unit read (straight into scratch, or whole): verified, then placed; the reply
         becomes ``(bytes read, None or why it is corrupt)``."""
-        problem = self._verify(ld.req.raw_key, rng, header, payload)
+        try:
+            hasher, checksum = begin_unit_check(
+                header, namespace=self.namespace, key=ld.req.raw_key, first=rng[0], end=rng[1]
+            )
+            if len(payload) != self.namespace.layer_bytes(*rng):
+                raise CorruptUnit(f"payload of {len(payload)} bytes")
+            hasher.update(payload)
+            problem = None if hasher.digest() == checksum else "checksum mismatch"
+        except CorruptUnit as bad:
+            problem = bad.reason
         if problem is None:
             self._place(ld, rng, payload)
         return len(header) + len(payload), problem
@@ -498,20 +434,16 @@ class RedisStore(UnitStore):
             now_ms = f"{time.time() * 1000.0:.0f}"
             ops = []
             for ld in loads:
-                ops.append(self._get(ld, (ld.req.first, ld.req.end)))
+                ops.append(self._get(ld, ld.span))
                 ops.append(Command("ZRANGE", self._index(ld.req.kd), now_ms, "+inf", "BYSCORE"))
             replies = roundtrip(ops)
             for ld, value, members in zip(loads, replies[0::2], replies[1::2]):
-                exact = (ld.req.first, ld.req.end)
                 ld.ranges = parse_ranges(members, self.namespace.num_layers)
-                if value is not None:
-                    ld.ranges.add(exact)
-                    on_value(ld, exact, value)
-                elif exact in ld.ranges:
-                    self._count("stale_removed")
-                    exclude(ld, exact, "vanished (evicted or expired)")
+                if value is not None or ld.span in ld.ranges:  # neither there nor listed: no unit
+                    ld.ranges.add(ld.span)
+                    on_value(ld, ld.span, value)
             for _round in range(_MAX_LOAD_ROUNDS):
-                ops, wanted = [], []
+                wanted = []
                 for ld in (ld for ld in loads if ld.outcome is None):
                     chain = cover(ld.ranges - ld.excluded, *ld.span)
                     todo = [] if chain is None else [r for r in chain if r not in ld.done]
@@ -520,21 +452,20 @@ class RedisStore(UnitStore):
                         ld.outcome = JobOutcome("miss", detail=detail or "not stored")
                     elif not todo:
                         ld.outcome = JobOutcome("ok", nbytes=len(ld.req.dest), detail=detail)
-                    ops += [self._get(ld, rng) for rng in todo]
                     wanted += [(ld, rng) for rng in todo]
-                if not ops:
+                if not wanted:
                     break
-                for (ld, rng), value in zip(wanted, roundtrip(ops)):
+                for (ld, rng), value in zip(wanted, roundtrip([self._get(*w) for w in wanted])):
                     on_value(ld, rng, value)
         except _Unavailable as why:
             unavailable = f"unavailable: {why}"
-        outcomes, missed = [], JobOutcome("miss", detail=unavailable or "gave up (too many rounds)")
-        for ld in loads:
-            outcome = ld.outcome or missed
-            self._count("loads_unavailable", ld.outcome is None and unavailable is not None)
-            self._count("hits" if outcome.status == "ok" else "misses")
-            self._count("bytes_loaded", outcome.nbytes)
-            outcomes.append(outcome)
+        missed = JobOutcome("miss", detail=unavailable or "gave up (too many rounds)")
+        outcomes = [ld.outcome or missed for ld in loads]
+        hits = sum(outcome.status == "ok" for outcome in outcomes)
+        dropped = sum(ld.outcome is None for ld in loads) if unavailable else 0
+        bytes_loaded = sum(outcome.nbytes for outcome in outcomes)
+        self._count("hits", hits, misses=len(loads) - hits, loads_unavailable=dropped,
+                    bytes_loaded=bytes_loaded)  # fmt: skip
         if unavailable is None:
             self._connection.cleanup(cleanup, deleted)
         return outcomes
@@ -543,11 +474,10 @@ class RedisStore(UnitStore):
 
     def metrics(self) -> RedisStoreMetrics:
         """A consistent snapshot of the counters."""
+        breaker = self._breaker
         with self._lock:
-            counts = dict(self._counts)
-        counts["breaker_opens"] = self._breaker.opens
-        counts["breaker_skips"] = self._breaker.skips
-        return RedisStoreMetrics(**counts, available=self._breaker.closed)
+            counts = dict(self._counts, breaker_opens=breaker.opens, breaker_skips=breaker.skips)
+        return RedisStoreMetrics(**counts, available=breaker.closed)
 
     @property
     def available(self) -> bool:

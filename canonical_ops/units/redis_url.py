@@ -1,11 +1,7 @@
 """Redis tier URLs: parsed so that no password character can move the host, printed redacted.
 
-Operators paste passwords with ``/``, ``#``, ``?`` or ``@`` unencoded; a plain
-URL parser then takes part of the password for the host or the path and puts it
-in error messages. Here the user:password part ends at the one ``@`` after
-which a well-formed address follows; a URL where that is ambiguous is refused
-with a message that names no part of it. Needs no redis-py (the demo and the
-CLI redact without it).
+The user:password part ends at the one ``@`` followed by a well-formed address; an ambiguous
+URL is refused by a message naming no part of it. No redis-py needed (demo and CLI use it).
 """
 
 from __future__ import annotations
@@ -48,9 +44,7 @@ def _split(url: str) -> tuple[str, str | None, str] | None:
     ends = [i for i, c in enumerate(rest) if c == "@" and shape.fullmatch(rest, i + 1)]
     if len(ends) > 1 or ("@" in rest and not ends):
         return None
-    if not ends:
-        return scheme, None, rest
-    return scheme, rest[: ends[0]], rest[ends[0] + 1 :]
+    return (scheme, rest[: ends[0]], rest[ends[0] + 1 :]) if ends else (scheme, None, rest)
 
 
 def _redact_query(rest: str) -> str:
@@ -58,11 +52,9 @@ def _redact_query(rest: str) -> str:
 
 
 def redact_url(url: Any) -> str:
-    """``url`` safe to print: credentials and ``password=`` values replaced by ``***``.
-
-    A string without ``://`` (e.g. a directory) is returned unchanged; anything
-    before the last ``@`` of a URL whose credentials cannot be told apart is hidden.
-    """
+    """``url`` safe to print: credentials and ``password=`` values replaced by ``***``; a
+    string without ``://`` (a directory) unchanged; if the credentials cannot be told apart,
+    all before the last ``@`` hidden."""
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
     if "://" not in url:
@@ -80,14 +72,9 @@ def redact_url(url: Any) -> str:
 
 
 def parse_url(url: Any) -> RedisURL:
-    """Check a Redis tier URL and take its credentials out (percent-decoded).
-
-    Raises
-    ------
-    TypeError, ValueError
-        Not a str, an unknown scheme, or credentials that cannot be told apart
-        from the address; the message names ``url`` and never its password.
-    """
+    """Check a Redis tier URL and take its credentials out (percent-decoded). TypeError /
+    ValueError (naming ``url``, never its password): not a str, an unknown scheme, or
+    credentials that cannot be told apart from the address."""
     if not isinstance(url, str):
         raise TypeError(
             f"url: expected a redis://, rediss:// or unix:// URL str, got {type(url).__name__}"
@@ -105,9 +92,7 @@ def parse_url(url: Any) -> RedisURL:
             f"that is not followed by a host[:port][/db] or a socket path); {_ENCODE_HINT}"
         )
     _, auth, rest = split
-    username = password = None
-    if auth is not None:
-        user, colon, secret = auth.partition(":")
-        username = urllib.parse.unquote(user) or None
-        password = urllib.parse.unquote(secret) if colon else None
+    user, colon, secret = (auth or "").partition(":")
+    username = urllib.parse.unquote(user) or None
+    password = urllib.parse.unquote(secret) if colon else None
     return RedisURL(scheme, username, password, f"{scheme}://{rest}")

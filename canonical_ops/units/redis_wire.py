@@ -1,10 +1,8 @@
 """The Redis tier on the wire: commands, a packer that never joins a unit, a reply reader.
 
-redis-py copies every value three times into fresh memory (measured: most of a load's
-time) and packs one buffer per argument (a copy of every unit). Here a unit's header
-(hence its checksum) is made just before it is sent, and on connections the store made
-(not a cluster's) a *direct* round trip reads each value once from the kernel into
-scratch memory, where it is verified. Connections, retries and errors stay redis-py's.
+A unit's header (hence its checksum) is made just before it is sent; on the store's own
+connections (not a cluster's) a *direct* round trip reads each value once from the kernel
+into scratch memory, where it is verified (redis-py would copy it three times).
 """
 
 from __future__ import annotations
@@ -27,20 +25,28 @@ class Command:
 
 
 class _Parts:
-    """One bulk-string argument sent as consecutive buffers (never joined).
-
-    A part may be a callable with a length: made when the command is packed
-    (a unit's header, whose checksum is then computed just before it is sent).
-    """
+    """One bulk-string argument sent as consecutive buffers (never joined). A part may be
+    ``(length, make)``: ``make()`` runs when the command is packed (a unit's header, whose
+    checksum is then computed just before it is sent)."""
 
     __slots__ = ("nbytes", "parts")
 
     def __init__(self, *parts: Any) -> None:
         self.parts = parts
-        self.nbytes = sum(len(part) for part in parts)
+        self.nbytes = sum(part[0] if isinstance(part, tuple) else len(part) for part in parts)
 
     def __len__(self) -> int:
         return self.nbytes
+
+
+def _made(part: Any) -> Any:
+    """A part of :class:`_Parts`, made now if it is ``(length, make)``."""
+    if not isinstance(part, tuple):
+        return part
+    data = part[1]()
+    if len(data) != part[0]:  # the bulk string's length is already on the wire
+        raise RuntimeError(f"a part of {len(data)} bytes, expected {part[0]}")
+    return data
 
 
 class _PartsPacker:
@@ -59,7 +65,7 @@ class _PartsPacker:
         for arg in args:
             if isinstance(arg, _Parts):
                 out.append(b"$%d\r\n" % arg.nbytes)
-                out.extend(part() if callable(part) else part for part in arg.parts)
+                out.extend(_made(part) for part in arg.parts)
             else:
                 data = self._encode(arg)
                 out += [b"$%d\r\n" % len(data), data]
@@ -158,12 +164,12 @@ class _Reader:
         connection (``InvalidResponse``)."""
         line = self.line()
         kind, rest = line[:1], line[1:]
+        if kind in (b"$", b"*") and int(rest) < 0:  # RESP2 null
+            return None
         if kind == b"$":
-            size = int(rest)
-            return None if size < 0 else self.bulk(size, into)
+            return self.bulk(int(rest), into)
         if kind == b"*":
-            count = int(rest)
-            return None if count < 0 else [self.reply() for _ in range(count)]
+            return [self.reply() for _ in range(int(rest))]
         if kind == b":":
             return int(rest)
         if kind == b"+":
@@ -200,11 +206,7 @@ def _send(conn: Any, ops: Sequence[Command]) -> None:
 
 
 def direct_exchange(
-    conn: Any,
-    ops: Sequence[Command],
-    buffer: bytearray,
-    scratch: Callable[[int], memoryview],
-    guard: Callable[[], Any],
+    conn: Any, ops: Sequence[Command], buffer: bytearray, scratch: Callable, guard: Callable
 ) -> list[Any]:
     """Send ``ops`` on ``conn`` (inside ``guard()``) and read their replies (``buffer``: the
     read buffer; ``scratch(n)``: where values with an ``into`` land). Any failure drops

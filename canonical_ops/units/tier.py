@@ -1,41 +1,29 @@
-"""The unit-store interface every adapter codes against, implemented once.
-
-A *unit* is one block's canonical pages of the layers ``[first, end)`` in layer order:
-``namespace.layer_bytes(first, end)`` bytes, a region row of the pipeline stage owning
-those layers. :class:`UnitStore` is batch-first, as vLLM's tiers are: one job moves many
-units. It checks every argument (naming it and what was expected), builds the jobs,
-counts refusals and offers the one-unit and inline forms; a store (:class:`~.files.FileStore`,
-:class:`~.redis_store.RedisStore`) implements three primitives: ``_lookup``,
-``_store_units`` and ``_load_units``.
+"""The unit-store interface every adapter codes against, implemented once: batch-first (one
+job moves many units, as vLLM's tiers do), every argument checked, refusals counted, one-unit
+and inline forms. A store implements ``_lookup``, ``_store_units`` and ``_load_units``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..checks import check_int, check_seconds
+from .geometry import check_type
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
-from .unit import as_byte_view, key_digest, normalize_key
+from .unit import MAX_POSITION, as_byte_view, key_digest, normalize_key
 
 __all__ = [
-    "LoadItem",
-    "LoadReq",
-    "PageTier",
-    "StoreItem",
-    "StoreReq",
-    "TierBase",
-    "TierMetrics",
-    "UnitStore",
-    "batch_outcome",
-]
+    "LoadItem", "LoadReq", "PageTier", "StoreItem", "StoreReq", "TierBase", "TierMetrics",
+    "UnitStore", "batch_outcome",
+]  # fmt: skip
 
-MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in unit headers; int64 elsewhere
 DEFAULT_DEADLINE_S = 30.0
 
 
@@ -113,15 +101,10 @@ _STATUS_ORDER = {"ok": 0, "miss": 1, "corrupt": 2, "error": 3}
 
 def batch_outcome(outcomes: list[JobOutcome]) -> JobOutcome:
     """The outcome of a batch job: the worst status, the counts, each item's outcome."""
-    counts: dict[str, int] = {}
-    for outcome in outcomes:
-        counts[outcome.status] = counts.get(outcome.status, 0) + 1
-    return JobOutcome(
-        max((o.status for o in outcomes), key=_STATUS_ORDER.__getitem__, default="ok"),
-        nbytes=sum(o.nbytes for o in outcomes),
-        detail=", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
-        value=outcomes,
-    )
+    worst = max((o.status for o in outcomes), key=_STATUS_ORDER.__getitem__, default="ok")
+    counts = sorted(Counter(o.status for o in outcomes).items())
+    detail = ", ".join(f"{n} {status}" for status, n in counts)
+    return JobOutcome(worst, nbytes=sum(o.nbytes for o in outcomes), detail=detail, value=outcomes)
 
 
 class UnitStore:
@@ -150,35 +133,23 @@ class UnitStore:
     ) -> tuple[int, int, float | None]:
         """Checked ``(threads, queue_depth, deadline_s)`` of an own pool (4, 64, 30 s)."""
         if pool is not None:
-            if not isinstance(pool, JobPool):
-                raise TypeError(f"pool: expected a JobPool, got {type(pool).__name__}")
+            check_type("pool", pool, JobPool)
             if threads is not None or queue_depth is not None:
-                raise ValueError(
-                    "threads, queue_depth: expected None with a shared pool (it has its own)"
-                )
-            if deadline_s != DEFAULT_DEADLINE_S and deadline_s != pool.deadline_s:
-                raise ValueError(
-                    f"deadline_s: expected the shared pool's ({pool.deadline_s}), got {deadline_s}"
-                )
+                raise ValueError("threads, queue_depth: expected None (a shared pool has its own)")
+            if deadline_s not in (DEFAULT_DEADLINE_S, pool.deadline_s):
+                expected = f"the shared pool's ({pool.deadline_s})"
+                raise ValueError(f"deadline_s: expected {expected}, got {deadline_s}")
         threads = 4 if threads is None else check_int("threads", threads, minimum=1)
-        queue_depth = (
-            64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
-        )
-        deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
-        return threads, queue_depth, deadline_s
+        depth = 64 if queue_depth is None else check_int("queue_depth", queue_depth, minimum=1)
+        return threads, depth, check_seconds("deadline_s", deadline_s, optional=True)
 
     def _attach_pool(
-        self,
-        pool: JobPool | None,
-        threads: int,
-        queue_depth: int,
-        name: str,
-        deadline_s: float | None = None,
+        self, pool: JobPool | None, threads: int, depth: int, name: str, deadline_s: float | None
     ) -> None:
         """The shared ``pool``, or an own one (closed by :meth:`close`). Called last in
         ``__init__``: a failed start-up leaves no threads behind."""
         self._own_pool = pool is None
-        self.pool = pool or JobPool(threads, queue_depth, name=name, deadline_s=deadline_s)
+        self.pool = pool or JobPool(threads, depth, name=name, deadline_s=deadline_s)
 
     # ------------------------------------------------------------------ argument checks
 
@@ -246,15 +217,14 @@ class UnitStore:
 
     # ------------------------------------------------------------------ jobs
 
-    def _job(
-        self,
-        kind: str,
-        reqs: list[Any],
-        work: Callable[[list[Any]], list[JobOutcome]],
-        single: bool,
-        submit: bool,
-        refused: str,
-    ) -> IOJob:
+    def _batch(self, kind: str, items: Sequence[Any], single: bool, submit: bool) -> IOJob:
+        """ONE job storing or loading ``items`` (``kind``), queued (``submit``) or run
+        inline; ``single``: one item, and the job is its outcome."""
+        self._check_open()
+        name = "item" if single else "items[{}]"
+        checked = self._store_req if kind == "store" else self._load_req
+        work = self._store_units if kind == "store" else self._load_units
+        reqs = [checked(item, name.format(i)) for i, item in enumerate(items)]
         if single:
             r = reqs[0]
             info = {"key": r.raw_key, "first": r.first, "end": r.end}
@@ -266,20 +236,8 @@ class UnitStore:
             return run_inline(job)
         job = self.pool.submit_job(job)
         if job.refused:
-            self._count(refused, len(reqs))
+            self._count(f"{kind}s_refused", len(reqs))
         return job
-
-    def _stores(self, items: Sequence[Any], single: bool, submit: bool) -> IOJob:
-        self._check_open()
-        name = "item" if single else "items[{}]"
-        reqs = [self._store_req(item, name.format(i)) for i, item in enumerate(items)]
-        return self._job("store", reqs, self._store_units, single, submit, "stores_refused")
-
-    def _loads(self, items: Sequence[Any], single: bool, submit: bool) -> IOJob:
-        self._check_open()
-        name = "item" if single else "items[{}]"
-        reqs = [self._load_req(item, name.format(i)) for i, item in enumerate(items)]
-        return self._job("load", reqs, self._load_units, single, submit, "loads_refused")
 
     def lookup(self, keys: Sequence[Any], first: int, end: int) -> int:
         """Length of the prefix of ``keys`` (consecutive blocks) whose layers ``[first, end)``
@@ -311,11 +269,11 @@ class UnitStore:
         nothing was stored. Its status is the worst of them, or at once ``"refused"``
         (queue full) or, later, ``"expired"`` (deadline: count every item failed).
         """
-        return self._stores(items, False, True)
+        return self._batch("store", items, False, True)
 
     def stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
         """:meth:`submit_stores`, run in the calling thread; returns the finished job."""
-        return self._stores(items, False, False)
+        return self._batch("store", items, False, False)
 
     def submit_loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
         """Queue the load of several units as ONE job; never blocks.
@@ -324,37 +282,41 @@ class UnitStore:
         holds the verified layers), ``"miss"`` (absent, or corrupt and quarantined: see
         ``detail``) or ``"error"``; on any other status the destination is undefined.
         """
-        return self._loads(items, False, True)
+        return self._batch("load", items, False, True)
 
     def loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
         """:meth:`submit_loads`, run in the calling thread; returns the finished job."""
-        return self._loads(items, False, False)
+        return self._batch("load", items, False, False)
 
     def submit_store(
         self, key: Any, first: int, payload: Any, position: int = 0, *, end: int | None = None
     ) -> IOJob:
         """Queue the store of one unit (:class:`StoreItem`); the job is its outcome."""
-        return self._stores([StoreItem(key, first, payload, position, end)], True, True)
+        return self._batch("store", [StoreItem(key, first, payload, position, end)], True, True)
 
     def store(
         self, key: Any, first: int, payload: Any, position: int = 0, *, end: int | None = None
     ) -> IOJob:
         """:meth:`submit_store`, run in the calling thread; returns the finished job."""
-        return self._stores([StoreItem(key, first, payload, position, end)], True, False)
+        return self._batch("store", [StoreItem(key, first, payload, position, end)], True, False)
 
     def submit_load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
         """Queue the load of one unit (:class:`LoadItem`); the job is its outcome."""
-        return self._loads([LoadItem(key, first, end, destination)], True, True)
+        return self._batch("load", [LoadItem(key, first, end, destination)], True, True)
 
     def load(self, key: Any, first: int, end: int, destination: Any) -> IOJob:
         """:meth:`submit_load`, run in the calling thread; returns the finished job."""
-        return self._loads([LoadItem(key, first, end, destination)], True, False)
+        return self._batch("load", [LoadItem(key, first, end, destination)], True, False)
 
     # ------------------------------------------------------------------ counters and upkeep
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str | None = None, n: float = 1, **more: float) -> None:
+        """Add ``n`` to counter ``name`` and each of ``more`` (name=amount), under one lock."""
         with self._lock:
-            self._counts[name] += n
+            if name is not None:
+                self._counts[name] += n
+            for key, amount in more.items():
+                self._counts[key] += amount
 
     def poll(self) -> list[IOJob]:
         """Jobs finished since the last poll (of the pool: every store's if it is shared)."""

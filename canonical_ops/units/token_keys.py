@@ -23,14 +23,7 @@ import numpy as np
 
 from ..checks import check_int
 
-__all__ = [
-    "KEY_BYTES",
-    "ROOT_KEY",
-    "TEST_VECTOR_HEX",
-    "block_keys",
-    "chain_keys",
-    "root_key",
-]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "TEST_VECTOR_HEX", "block_keys", "chain_keys", "root_key"]
 
 KEY_BYTES = 32
 ROOT_KEY = hashlib.sha256(b"canonical-kv.token-keys.v1").digest()
@@ -94,9 +87,6 @@ def chain_keys(parent: bytes, token_ids: Any, block_tokens: int) -> list[bytes]:
 
 
 def block_keys(token_ids: Any, block_tokens: int, *, salt: bytes | None = None) -> list[bytes]:
-    """Store keys of a sequence's whole blocks, first block first.
-
-    ``block_keys(t, B)[i]`` names the prefix ``t[: (i + 1) * B]`` (see the
-    module docstring for the exact definition).
-    """
+    """Store keys of a sequence's whole blocks, first block first: ``block_keys(t, B)[i]``
+    names the prefix ``t[: (i + 1) * B]`` (defined in the module docstring)."""
     return chain_keys(root_key(salt), token_ids, block_tokens)

@@ -40,32 +40,17 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..checks import check_int
+from .geometry import check_type
 from .namespace import StoreNamespace
 
 __all__ = [
-    "CHECKSUM_HMAC_SHA256",
-    "CHECKSUM_XXH3_128",
-    "FIXED_HEADER_BYTES",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "MAX_HEADER_BYTES",
-    "MAX_KEY_BYTES",
-    "CorruptUnit",
-    "PayloadVerifier",
-    "UnitHeader",
-    "as_byte_view",
-    "begin_unit_check",
-    "decode_and_verify",
-    "decode_header",
-    "encode_header",
-    "encode_unit",
-    "header_length",
-    "key_digest",
-    "normalize_key",
-    "peek_header",
-    "start_unit",
-    "verify_payload",
-]
+    "CHECKSUM_HMAC_SHA256", "CHECKSUM_XXH3_128", "FIXED_HEADER_BYTES", "FORMAT_VERSION", "MAGIC",
+    "MAX_HEADER_BYTES", "MAX_KEY_BYTES", "MAX_POSITION", "CorruptUnit", "PayloadVerifier",
+    "UnitHeader", "as_byte_view", "begin_unit_check", "decode_and_verify", "decode_header",
+    "encode_header", "encode_unit", "header_length", "key_digest", "normalize_key", "peek_header",
+    "start_unit", "verify_payload",
+]  # fmt: skip
 
 MAGIC = b"CKVUNIT\x00"
 FORMAT_VERSION = 1
@@ -77,7 +62,7 @@ FIXED_HEADER_BYTES = _FIXED.size
 MAX_HEADER_BYTES = FIXED_HEADER_BYTES + MAX_KEY_BYTES
 _SUM = slice(80, 96)  # the checksum field
 _ZERO_SUM = bytes(16)
-_MAX_POSITION = (1 << 63) - 1
+MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in headers; int64 elsewhere
 
 
 class CorruptUnit(Exception):
@@ -136,32 +121,28 @@ def header_length(key: Any) -> int:
 def as_byte_view(obj: Any, *, writable: bool = False, name: str = "buffer") -> memoryview:
     """A flat uint8 memoryview over ``obj`` (bytes-like, C-contiguous numpy array or CPU
     torch tensor) without a copy; ``name`` is the argument named in errors."""
-    if type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous:
-        if writable and obj.readonly:
-            raise ValueError(f"{name}: expected writable memory, got a read-only buffer")
-        return obj  # already flat bytes: the stores pass views along
-    if type(obj).__module__.split(".")[0] == "torch" and hasattr(obj, "untyped_storage"):
-        torch = sys.modules["torch"]
-        if obj.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU tensor, got one on {obj.device}")
-        if not obj.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-        obj = obj.detach().reshape(-1).view(torch.uint8).numpy()
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-        obj = obj.reshape(-1).view(np.uint8)
-    try:
-        view = memoryview(obj)
-    except TypeError:
-        raise TypeError(
-            f"{name}: expected a bytes-like object, numpy array or CPU torch tensor, "
-            f"got {type(obj).__name__}"
-        ) from None
-    if not view.c_contiguous:
-        raise ValueError(f"{name}: expected contiguous memory")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
+    view = obj  # flat bytes already (the stores pass views along), or made so:
+    if not (type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous):
+        if type(obj).__module__.split(".")[0] == "torch" and hasattr(obj, "untyped_storage"):
+            if obj.device.type != "cpu":
+                raise ValueError(f"{name}: expected a CPU tensor, got one on {obj.device}")
+            if not obj.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor")
+            obj = obj.detach().reshape(-1).view(sys.modules["torch"].uint8).numpy()
+        if isinstance(obj, np.ndarray):
+            if not obj.flags.c_contiguous:
+                raise ValueError(f"{name}: expected a C-contiguous array")
+            obj = obj.reshape(-1).view(np.uint8)
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(
+                f"{name}: expected a bytes-like object, numpy array or CPU torch tensor, "
+                f"got {type(obj).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(f"{name}: expected contiguous memory")
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
     if writable and view.readonly:
         raise ValueError(f"{name}: expected writable memory, got a read-only buffer")
     return view
@@ -196,35 +177,26 @@ def _algorithm(namespace: StoreNamespace) -> int:
     return CHECKSUM_HMAC_SHA256 if namespace.key_id else CHECKSUM_XXH3_128
 
 
-def _hasher(namespace: StoreNamespace | None, algorithm: int = 0) -> Any:
-    """The checksum of a namespace's units (or, namespace unknown, of ``algorithm``)."""
+def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) -> Any:
+    """The checksum (or MAC) of a namespace's units (namespace unknown: of ``algorithm``),
+    having taken the header ``head`` with its checksum field zeroed."""
     if namespace is not None:
         algorithm = _algorithm(namespace)
     if algorithm == CHECKSUM_XXH3_128:
-        return xxhash.xxh3_128()
-    if namespace is None or namespace.secret is None:
+        hasher = xxhash.xxh3_128()
+    elif namespace is None or namespace.secret is None:
         raise CorruptUnit("authenticated unit: no secret to verify it with")
-    return namespace.secret.mac()
+    else:
+        hasher = namespace.secret.mac()
+    hasher.update(head[:80] + _ZERO_SUM + head[96:])
+    return hasher
 
 
 def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
     """The header of a unit, checksum zeroed (what the checksum covers)."""
-    length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        length,
-        _algorithm(ns),
-        len(raw_key),
-        0,
-        first,
-        end,
-        ns.num_layers,
-        position,
-        ns.layer_bytes(first, end),
-        ns.digest,
-        _ZERO_SUM,
-    )
+    length, payload = FIXED_HEADER_BYTES + _pad8(len(raw_key)), ns.layer_bytes(first, end)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, length, _algorithm(ns), len(raw_key), 0, first, end,
+                        ns.num_layers, position, payload, ns.digest, _ZERO_SUM)  # fmt: skip
     return fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
 
 
@@ -233,17 +205,10 @@ def start_unit(
 ) -> tuple[bytes, Any]:
     """A unit's header with its checksum zeroed, and a hasher that has taken it: feed it
     the payload, then the header is ``head[:80] + hasher.digest() + head[96:]``."""
-    if not isinstance(namespace, StoreNamespace):
-        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
-    namespace.layer_bytes(first, end)  # validates first / end
-    if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)):
-        raise TypeError(f"position: expected an int >= 0, got {position!r}")
-    if not 0 <= position <= _MAX_POSITION:
-        raise ValueError(f"position: expected an int in [0, 2**63), got {position!r}")
-    head = _pack(namespace, normalize_key(key), int(first), int(end), int(position))
-    hasher = _hasher(namespace)
-    hasher.update(head)
-    return head, hasher
+    check_type("namespace", namespace, StoreNamespace).layer_bytes(first, end)  # checks them
+    position = check_int("position", position, minimum=0, maximum=MAX_POSITION)
+    head = _pack(namespace, normalize_key(key), int(first), int(end), position)
+    return head, _hashing(namespace, head)
 
 
 def encode_header(
@@ -298,7 +263,7 @@ def peek_header(buffer: Any) -> UnitHeader:
         raise CorruptUnit("non-zero header padding")
     if not first < end <= total:
         raise CorruptUnit(f"layer range [{first}, {end}) invalid for {total} layers")
-    if position > _MAX_POSITION:
+    if position > MAX_POSITION:
         raise CorruptUnit(f"position {position} out of range")
     key = raw[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + key_length]
     head = (version, length, algorithm, flags, key, first, end, total, position)
@@ -316,8 +281,7 @@ def decode_header(
     """Parse and check a header at the start of ``buffer`` (the header alone or the whole
     unit) against the reader's ``namespace`` and, when given, ``key``/``first``/``end``.
     The payload is NOT verified: use :class:`PayloadVerifier` before trusting a byte."""
-    if not isinstance(namespace, StoreNamespace):
-        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+    check_type("namespace", namespace, StoreNamespace)
     header = peek_header(buffer)
     if header.namespace_digest != namespace.digest:
         raise CorruptUnit(
@@ -353,10 +317,8 @@ class PayloadVerifier:
     __slots__ = ("_expected", "_hasher", "_length", "_remaining")
 
     def __init__(self, header: UnitHeader) -> None:
-        if not isinstance(header, UnitHeader):
-            raise TypeError(f"header: expected a UnitHeader, got {type(header).__name__}")
-        self._hasher = _hasher(header.namespace, header.checksum_algorithm)
-        self._hasher.update(header.raw[:80] + _ZERO_SUM + header.raw[96:])
+        check_type("header", header, UnitHeader)
+        self._hasher = _hashing(header.namespace, header.raw, header.checksum_algorithm)
         self._expected, self._length = header.checksum, header.payload_length
         self._remaining = header.payload_length
 
@@ -387,8 +349,7 @@ def begin_unit_check(
     mismatch is handed to it for the reason). Returns a hasher that has taken the header:
     feed it the payload, then compare its ``digest()`` with the second item.
     """
-    if not isinstance(namespace, StoreNamespace):
-        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+    check_type("namespace", namespace, StoreNamespace)
     raw_key = normalize_key(key)
     want = _pack(namespace, raw_key, first, end, 0)
     view = as_byte_view(buffer)
@@ -403,9 +364,7 @@ def begin_unit_check(
     ):
         decode_header(head, namespace=namespace, key=raw_key, first=first, end=end)
         raise CorruptUnit("header does not match the unit's")  # pragma: no cover - defensive
-    hasher = _hasher(namespace)
-    hasher.update(head[:80] + _ZERO_SUM + head[96:])
-    return hasher, head[_SUM]
+    return _hashing(namespace, head), head[_SUM]
 
 
 def verify_payload(header: UnitHeader, parts: Iterable[Any]) -> None:

@@ -1,46 +1,30 @@
-"""One unit file: found by descriptors, checked, read verified, written direct.
+"""Unit files: found by descriptors and checked (``store verify|gc``, FileStore's index),
+read and written in native batches (:mod:`canonical_ops._unitio`, without the GIL).
 
-The byte-level half of :class:`~.files.FileStore`, also used by ``store verify|gc``.
-A read goes piece by piece through an aligned per-thread buffer: each piece is hashed
-while in cache and copied into the destination only under the job's claim, so a load
-that expired never writes caller memory.
+A batch item names a unit by its fan-out directory's descriptor, key digest and file
+name, and carries the header the unit must have: the native side walks below the fan-out
+with ``O_NOFOLLOW`` and owner/mode checks and reports one status per item.
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
+import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
-import numpy as np
-
+from . import unit as _unit
 from .fsutil import Perms, open_dir
-from .jobs import current_job
 from .namespace import StoreNamespace
-from .tier import LoadReq, StoreReq
-from .unit import (
-    MAX_HEADER_BYTES,
-    CorruptUnit,
-    PayloadVerifier,
-    UnitHeader,
-    begin_unit_check,
-    decode_header,
-    header_length,
-    key_digest,
-    peek_header,
-    start_unit,
-)
+from .tier import LoadReq
+from .unit import MAX_HEADER_BYTES, CorruptUnit, PayloadVerifier, UnitHeader, key_digest
 
-__all__ = ["Found", "aligned_buffers", "check_unit", "iter_units", "read_unit", "write_direct"]
+__all__ = ["Found", "check_unit", "header_problem", "iter_units", "load_item", "mac", "quarantine"]
 
 UNIT_NAME = re.compile(r"(\d{1,6})-(\d{1,6})\.ckv")
-O_DIRECT = getattr(os, "O_DIRECT", 0)
-_LOAD_CHUNK_BYTES = 1 << 20  # read, hashed and copied per piece (bench/bench_read_hash.py)
-_ALIGN = 4096  # O_DIRECT offsets, lengths and buffers
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class Found(NamedTuple):
@@ -100,7 +84,11 @@ def check_unit(
     its ``digest`` when unknown), placement, size and, if ``full``, the checksum, in
     bounded memory. ``CorruptUnit`` when it must not be used."""
     raw = os.pread(fd, MAX_HEADER_BYTES, 0)
-    header = peek_header(raw) if namespace is None else decode_header(raw, namespace=namespace)
+    header = (
+        _unit.peek_header(raw)
+        if namespace is None
+        else _unit.decode_header(raw, namespace=namespace)
+    )
     if namespace is None and header.namespace_digest != digest:
         raise CorruptUnit("unit of another namespace")
     if (header.first_layer, header.end_layer) != (found.first, found.end):
@@ -125,137 +113,53 @@ def check_unit(
     return header
 
 
-def aligned_buffers() -> tuple[np.ndarray, np.ndarray]:
-    """A page-aligned piece buffer and first-block buffer (anonymous mmaps), as O_DIRECT
-    needs. Copies go through numpy, which releases the GIL (a memoryview copy holds it)."""
-    size = -(-_LOAD_CHUNK_BYTES // _ALIGN) * _ALIGN
-    return (
-        np.frombuffer(mmap.mmap(-1, size), np.uint8),
-        np.frombuffer(mmap.mmap(-1, _ALIGN), np.uint8),
-    )
+def mac(namespace: StoreNamespace) -> Any:
+    """None (XXH3, hashed natively) or a fresh MAC of an authenticated namespace (hashed
+    through Python: HMAC-SHA256 stays with OpenSSL)."""
+    if not namespace.key_id:
+        return None
+    if namespace.secret is None:
+        raise CorruptUnit("authenticated unit: no secret to verify it with")
+    return namespace.secret.mac()
 
 
-def read_unit(
-    fd: int,
-    st: os.stat_result,
-    namespace: StoreNamespace,
-    req: LoadReq,
-    first: int,
-    end: int,
-    buffers: tuple[np.ndarray, np.ndarray],
-    direct: bool,
-) -> None:
-    """Read unit ``[first, end)`` of ``req``'s key piece by piece into ``buffers``, hash
-    each piece while it is in cache and copy what ``req`` wants of it into its destination
-    under the job's claim. ``CorruptUnit`` unless intact: the size is checked before a
-    byte is read (no length from disk sizes anything), the header with the first piece."""
-    head_len = header_length(req.raw_key)
-    total = head_len + namespace.layer_bytes(first, end)
-    if st.st_size != total:
-        raise CorruptUnit(f"size {st.st_size} != {total} bytes expected")
+def load_item(ns: StoreNamespace, req: LoadReq, first: int, end: int, fan: int) -> tuple:
+    """The native load of unit ``[first, end)`` for ``req``: where it is, the header it must
+    have and which part of its payload goes to which part of the destination."""
+    head, _ = _unit.start_unit(ns, req.raw_key, first, end, 0)
     if (req.first, req.end) == (first, end):  # the usual case: the whole unit is wanted
-        want_lo, want_hi, base = 0, total - head_len, 0
+        lo, hi, dest = 0, len(req.dest), req.dest
     else:
-        lo, hi = max(req.first, first), min(req.end, end)
-        offsets = namespace.payload_offsets(first, end)
-        want_lo, want_hi = offsets[lo - first], offsets[hi - first]  # in this unit's payload
-        base = (namespace.layer_bytes(req.first, lo) if lo > req.first else 0) - want_lo
-    array, head = buffers
-    buf, step = memoryview(array), len(array) if direct else _LOAD_CHUNK_BYTES
-    job, dest, offset = current_job(), np.frombuffer(req.dest, np.uint8), 0
-    nowait = 0 if direct else _RWF_NOWAIT
-    while offset < total:
-        n = min(step, total - offset)
-        start, at = (head_len, 0) if offset == 0 else (0, offset - head_len)
-        a, b = max(want_lo, at), min(want_hi, at + n - start)
-        if (
-            nowait
-            and (a, b) == (at, at + n - start)
-            and _cached(fd, head, req.dest, start, base + a, base + b, offset, job)
-        ):
-            if offset == 0:  # page cache hit: read straight into the destination
-                hasher, checksum = _begin(head, head_len, namespace, req, first, end)
-            hasher.update(req.dest[base + a : base + b])
-            offset += n
-            continue
-        _read_exactly(fd, buf[: step if direct else n], offset, n)  # may block: never into dest
-        if offset == 0:
-            hasher, checksum = _begin(buf, head_len, namespace, req, first, end)
-        hasher.update(buf[start:n])
-        if a < b:
-            if not job.claim():
-                raise RuntimeError("load expired: its destination is not written")
-            dest[base + a : base + b] = array[start + a - at : start + b - at]
-            job.release()
-        offset += n
-    if hasher.digest() != checksum:
-        raise CorruptUnit("checksum mismatch")
+        a, b = max(req.first, first), min(req.end, end)
+        offsets = ns.payload_offsets(first, end)
+        lo, hi = offsets[a - first], offsets[b - first]
+        base = ns.layer_bytes(req.first, a) if a > req.first else 0
+        dest = req.dest[base : base + hi - lo]
+    return (fan, key_digest(req.raw_key), f"{first}-{end}.ckv", head, dest, lo, hi, mac(ns))
 
 
-def _begin(buf, head_len, namespace, req, first, end):
-    return begin_unit_check(
-        memoryview(buf)[:head_len], namespace=namespace, key=req.raw_key, first=first, end=end
-    )
-
-
-def _cached(fd, head, dest, head_len, lo, hi, offset, job) -> bool:
-    """Read one piece straight into the destination (and its header into ``head``) when
-    the page cache holds it all: ``RWF_NOWAIT`` never waits for I/O, so this bounded copy
-    runs under the job's claim. False (nothing trusted) when it would have to wait."""
-    parts = [memoryview(head)[:head_len], dest[lo:hi]] if head_len else [dest[lo:hi]]
-    if not job.claim():
-        raise RuntimeError("load expired: its destination is not written")
+def header_problem(head: bytes, ns: StoreNamespace, key: bytes, first: int) -> str:
+    """Why a header read does not match the one expected (as :func:`decode_header` says)."""
     try:
-        return os.preadv(fd, parts, offset, _RWF_NOWAIT) == head_len + hi - lo
-    except OSError:  # EAGAIN: not all in the page cache; EOPNOTSUPP: no RWF_NOWAIT here
-        return False
-    finally:
-        job.release()
+        _unit.decode_header(head, namespace=ns, key=key, first=first)
+    except CorruptUnit as error:
+        return error.reason
+    return "header does not match the unit's"
 
 
-def write_direct(
-    fd: int,
-    namespace: StoreNamespace,
-    req: StoreReq,
-    buffers: tuple[np.ndarray, np.ndarray],
-    hook: Callable[[int], None],
-) -> None:
-    """Write unit ``req`` with O_DIRECT through aligned ``buffers``: each piece copied in,
-    hashed while in cache and written; the first block again once the checksum is known."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-    head, hasher = start_unit(namespace, req.raw_key, req.first, req.end, req.position)
-    buf, first = buffers
-    payload, hl = np.frombuffer(req.payload, np.uint8), len(head)
-    total, offset = hl + len(payload), 0
-    while offset < total:
-        n = min(len(buf), total - offset)
-        start = 0 if offset else hl  # the header's place in the first piece
-        if offset == 0:
-            buf[:hl] = np.frombuffer(head, np.uint8)
-        buf[start:n] = payload[offset + start - hl : offset + n - hl]
-        hasher.update(buf[start:n])
-        padded = -(-n // _ALIGN) * _ALIGN
-        buf[n:padded] = 0
-        if offset == 0:
-            first[:] = buf[:_ALIGN]
-        _pwrite_all(fd, memoryview(buf[:padded]), offset)
-        offset += n
-        hook(offset)
-    first[80:96] = np.frombuffer(hasher.digest(), np.uint8)
-    _pwrite_all(fd, memoryview(first), 0)
-    os.ftruncate(fd, total)
-
-
-def _read_exactly(fd: int, view: memoryview, offset: int, need: int) -> None:
-    got = os.preadv(fd, [view], offset)
-    while got < need:  # a regular file reads short only at its end
-        if (n := os.preadv(fd, [view[got:]], offset + got)) == 0:
-            raise CorruptUnit("short read: the file shrank")
-        got += n
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        if (n := os.pwritev(fd, [view], offset)) <= 0:
-            raise OSError(5, "write made no progress")  # EIO
-        view, offset = view[n:], offset + n
+def quarantine(qdir: int, parent: int, found: Found, ident: Any, limit: int) -> bool:
+    """Move bad unit ``found`` of directory ``parent`` into ``qdir``, only if its name still
+    names it (``ident``: the bad file's (st_dev, st_ino), when known: another file there,
+    a good unit published since, is linked back); removed instead when ``qdir`` holds
+    ``limit`` files. Whether it is kept there."""
+    target = f"{found.kd}-{time.time_ns()}-{secrets.token_hex(4)}-{found.name}"
+    keep = len(os.listdir(qdir)) < limit
+    os.rename(found.name, target, src_dir_fd=parent, dst_dir_fd=qdir)
+    moved = os.stat(target, dir_fd=qdir, follow_symlinks=False)
+    if ident is not None and (moved.st_dev, moved.st_ino) != ident:
+        with contextlib.suppress(FileExistsError):
+            os.link(target, found.name, src_dir_fd=qdir, dst_dir_fd=parent)
+        keep = False
+    if not keep:  # full: the first few are kept for post-mortems
+        os.unlink(target, dir_fd=qdir)
+    return keep

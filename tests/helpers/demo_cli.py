@@ -9,6 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--preset", "tiny", "--prompt-tokens", "32"]
+# tiny: 4 layers, 8 KV heads x 64, fp16, block 16: 32 KiB pages, 128 KiB per whole-model unit
+PROMPT = ["--preset", "tiny", "--prompt-tokens", "128"]  # 8 blocks
+BLOCKS = 8
 
 
 def prompt_keys(*args: str) -> list[bytes]:

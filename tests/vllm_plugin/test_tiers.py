@@ -7,7 +7,6 @@ tests play the worker's part by writing and reading primary rows (tiering.py).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from canonical_ops.units import files as files_module
 from canonical_ops.units.unit import key_digest
 from canonical_ops.vllm import CanonicalOffloadingSpec
 from canonical_ops.vllm.tiers import (
@@ -28,6 +28,7 @@ from canonical_ops.vllm.tiers import (
     EXPIRED_JOBS,
     REMOVED_UNITS,
     CanonicalFileTier,
+    unit_key,
 )
 
 engines = pytest.fixture(engine_factory)
@@ -42,8 +43,8 @@ def vllm_fs_tier(root) -> dict:
 
 
 def unit_file(tier: CanonicalFileTier, key: bytes) -> str:
-    """The file of ``key``'s unit (the file store's layout, found by the key's digest)."""
-    kd = key_digest(key)
+    """The file of ``key``'s unit (the file store's layout, found by the unit key's digest)."""
+    kd = key_digest(unit_key(key))
     for folder, _dirs, files in os.walk(tier.store.directory):
         if kd in folder and files:
             return os.path.join(folder, files[0])
@@ -255,19 +256,15 @@ def test_a_stuck_read_is_a_miss_within_the_deadline_and_never_writes_the_row(
     writer.store(rows)
     reader = engines(models["llama8"], [fs_tier(tmp_path, deadline_s=0.5)])
     release, entered, returned = threading.Event(), threading.Event(), threading.Event()
-    real = os.preadv
 
-    def stuck_preadv(fd, buffers, offset, flags=0):  # a device read that hangs until released
-        if flags & getattr(os, "RWF_NOWAIT", 0):
-            raise BlockingIOError(errno.EAGAIN, "not in the page cache")  # a cold unit
-        entered.set()
-        release.wait()
-        try:
-            return real(fd, buffers, offset, flags)
-        finally:
-            returned.set()
+    def stuck_read(stage, path, offset):  # before a device read: it hangs until released
+        if stage == "read":
+            entered.set()
+            release.wait()
+            returned.set()  # the native read goes on: it must not write the rows
 
-    monkeypatch.setattr(os, "preadv", stuck_preadv)
+    monkeypatch.setattr(files_module, "_NOWAIT", False)  # a cold unit: from the device
+    monkeypatch.setattr(files_module, "_test_hook", stuck_read)
     reader.rows[:] = 0xAB
     ctx = reader._request_locked()
     seen, slowest, started = [], 0.0, time.monotonic()
@@ -295,7 +292,7 @@ def test_a_stuck_read_is_a_miss_within_the_deadline_and_never_writes_the_row(
     time.sleep(0.2)
     assert (reader.rows == 0xAB).all()
     assert reader.stats()[f"{EXPIRED_JOBS}:('canonical_fs',)"] >= 1
-    monkeypatch.setattr(os, "preadv", real)
+    monkeypatch.setattr(files_module, "_test_hook", None)
     assert reader.load(keys) == rows  # and the tier recovers
 
 
@@ -371,3 +368,18 @@ def test_bad_options_are_refused_naming_the_option(
     tier = {"root_dir": str(tmp_path), **tier} if tier["type"] == "canonical_fs" else tier
     with pytest.raises(error, match=match):
         SchedulerEngine(models["llama8"], [tier])
+
+
+@pytest.mark.parametrize("length", [8, 12, 36, 95, 96, 200])
+def test_unit_keys_put_the_payload_on_a_cache_line_and_give_the_offload_key_back(length):
+    from canonical_ops.units.unit import header_length
+    from canonical_ops.vllm.tiers import offload_key
+
+    key = bytes(range(256))[:length]
+    unit = unit_key(key)
+    assert offload_key(unit) == key
+    if length < 96:
+        assert len(unit) == 96 and header_length(unit) % 64 == 0
+    # one unit key per offload key, also for keys that look like padded ones
+    tricky = [key, key + bytes(1), unit[:-1], unit, unit + bytes(1)]
+    assert len({unit_key(k) for k in tricky}) == len(set(tricky))

@@ -1,0 +1,996 @@
+// canonical_ops._unitio: batch unit-file I/O for FileStore, without the GIL.
+//
+// A plain CPython extension (it links neither torch nor libpython beyond the C API), so
+// canonical_ops.units imports it in any Python 3 venv of the same ABI. One call moves a
+// whole batch of units (a job's items) with the GIL released; Python keeps the index,
+// counters, quarantine and messages, and turns each item's status into a JobOutcome.
+//
+// Guarantees (the same as the Python code it replaces):
+// - Every path component below the store's fan-out directory is opened relative to its
+//   parent's descriptor with O_NOFOLLOW; directories are fstat-checked (owner, mode);
+//   units are opened O_NONBLOCK and must be regular files of the expected size before a
+//   byte is read (a FIFO never blocks).
+// - A load hashes (XXH3-128, or the caller's MAC through Python) every byte it reads and
+//   compares the header with the bytes the caller expects. Caller memory is written only
+//   under the job's claim: RWF_NOWAIT reads straight into the destination (they never wait
+//   for a device, so the claimed window is a bounded copy) or a memcpy from the batch's
+//   aligned buffer after a read that may block. An expired job writes nothing.
+// - A store writes a temp file (hashing each piece as it goes), optionally fdatasyncs it
+//   and moves it under its name only under the claim: renameat2(RENAME_NOREPLACE) (or
+//   link() where the file system lacks it) never replaces, so the first writer wins, and
+//   a crash leaves a temp file, never a partial unit.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#define XXH_STATIC_LINKING_ONLY
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include "xxh_x86dispatch.h"  // AVX-512 / AVX2 / SSE2 chosen at run time
+#define UNITIO_XXH3_UPDATE XXH3_128bits_update_dispatch
+#else
+#define UNITIO_XXH3_UPDATE XXH3_128bits_update
+#endif
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008
+#endif
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+#ifndef O_NOATIME
+#define O_NOATIME 0
+#endif
+
+namespace {
+
+// ----------------------------------------------------------------- item statuses
+
+enum Status : int {
+  OK = 0,           // loaded (verified) / stored (linked by us)
+  MISSING = 1,      // key directory or unit not there (a store: it vanished; try again)
+  UNSAFE_DIR = 2,   // the key directory is a symlink, not a directory, or not trusted
+  UNSAFE_FILE = 3,  // the unit is a symlink or not a regular file (quarantine it)
+  CORRUPT = 4,      // size, header or checksum wrong (quarantine it)
+  EXPIRED = 5,      // the job's claim was refused: nothing written, the batch stopped
+  ERROR = 6,        // an I/O error (errno)
+  EXISTS = 7,       // store: a file of that name is there already (Python checks it)
+  LOST = 8,         // store: another writer linked it first
+  SKIPPED = 9,      // not attempted (an earlier item expired)
+};
+
+constexpr int kAlign = 4096;  // O_DIRECT offsets, lengths and buffers
+constexpr size_t kMaxHeader = 96 + 1024;
+constexpr size_t kStep = 256 << 10;  // bytes copied then hashed at once: they stay in L2
+
+// ----------------------------------------------------------------- the job state word
+
+// RUNNING -> CLAIMED -> RUNNING ... ; RUNNING -> EXPIRED (watchdog) is final. The worker
+// claims before it writes caller memory or publishes; the watchdog expires a job only
+// from RUNNING, so the two never both win.
+enum : int { RUNNING = 0, CLAIMED = 1, EXPIRED_STATE = 2 };
+
+struct JobState {
+  PyObject_HEAD std::atomic<int> word;
+};
+
+bool claim(std::atomic<int>* w) {
+  int cur = w->load();
+  while (true) {
+    if (cur == EXPIRED_STATE) return false;
+    if (cur == CLAIMED) return true;  // a detached job shared by threads: never expires
+    if (w->compare_exchange_weak(cur, CLAIMED)) return true;
+  }
+}
+
+void release(std::atomic<int>* w) {
+  int expected = CLAIMED;
+  w->compare_exchange_strong(expected, RUNNING);
+}
+
+bool expire(std::atomic<int>* w) {
+  int expected = RUNNING;
+  return w->compare_exchange_strong(expected, EXPIRED_STATE) || expected == EXPIRED_STATE;
+}
+
+PyObject* JobState_new(PyTypeObject* type, PyObject*, PyObject*) {
+  auto* self = reinterpret_cast<JobState*>(type->tp_alloc(type, 0));
+  if (self != nullptr) new (&self->word) std::atomic<int>(RUNNING);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyObject* JobState_claim(PyObject* self, PyObject*) {
+  return PyBool_FromLong(claim(&reinterpret_cast<JobState*>(self)->word));
+}
+
+PyObject* JobState_release(PyObject* self, PyObject*) {
+  release(&reinterpret_cast<JobState*>(self)->word);
+  Py_RETURN_NONE;
+}
+
+PyObject* JobState_expire(PyObject* self, PyObject*) {
+  return PyBool_FromLong(expire(&reinterpret_cast<JobState*>(self)->word));
+}
+
+PyObject* JobState_value(PyObject* self, void*) {
+  return PyLong_FromLong(reinterpret_cast<JobState*>(self)->word.load());
+}
+
+PyMethodDef JobState_methods[] = {
+    {"claim", JobState_claim, METH_NOARGS,
+     "False when expired; else True, and the job cannot expire until release()."},
+    {"release", JobState_release, METH_NOARGS, "End a claim."},
+    {"expire", JobState_expire, METH_NOARGS,
+     "The watchdog's move: True when the job is (now) expired, False while claimed."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef JobState_getset[] = {
+    {"value", JobState_value, nullptr, "0 running, 1 claimed, 2 expired", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyType_Slot JobState_slots[] = {
+    {Py_tp_doc,
+     const_cast<char*>("A job's state word, shared by its worker (claims) and the watchdog.")},
+    {Py_tp_new, reinterpret_cast<void*>(JobState_new)},
+    {Py_tp_methods, JobState_methods},
+    {Py_tp_getset, JobState_getset},
+    {0, nullptr}};
+
+PyType_Spec JobState_spec = {"canonical_ops._unitio.JobState", sizeof(JobState), 0,
+                             Py_TPFLAGS_DEFAULT, JobState_slots};
+
+PyTypeObject* JobStateType = nullptr;
+
+// ----------------------------------------------------------------- the GIL and callbacks
+
+// Python callbacks (the MAC of authenticated units, test hooks) run with the GIL taken back;
+// the first exception one raises stops the batch and is raised by the call.
+struct Gil {
+  PyThreadState* saved = nullptr;
+  bool failed = false;
+  void drop() { saved = PyEval_SaveThread(); }
+  void take() {
+    if (saved != nullptr) PyEval_RestoreThread(saved);
+    saved = nullptr;
+  }
+  // Call fn(args...) with the GIL; false (and `failed`) when it raised.
+  template <typename F>
+  bool with(F fn) {
+    if (failed) return false;
+    PyEval_RestoreThread(saved);
+    bool ok = fn();
+    if (!ok) failed = true;  // the exception stays set until the call returns
+    saved = PyEval_SaveThread();
+    return ok;
+  }
+};
+
+struct Hook {
+  PyObject* fn = nullptr;  // fn(stage, path relative to the namespace directory, bytes)
+  Gil* gil = nullptr;
+  bool call(const char* stage, const char* dir, const char* name, long long n) {
+    if (fn == nullptr) return true;
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    return gil->with([&] {
+      PyObject* r = PyObject_CallFunction(fn, "ssL", stage, path, n);
+      Py_XDECREF(r);
+      return r != nullptr;
+    });
+  }
+};
+
+// XXH3-128 in C, or the unit's MAC (an object with update/digest) through Python.
+struct Hasher {
+  XXH3_state_t state;
+  PyObject* mac = nullptr;
+  Gil* gil = nullptr;
+  void reset() { XXH3_128bits_reset(&state); }
+  bool update(const void* data, size_t n) {
+    if (n == 0) return true;
+    if (mac == nullptr) {
+      UNITIO_XXH3_UPDATE(&state, data, n);
+      return true;
+    }
+    return gil->with([&] {
+      PyObject* view = PyMemoryView_FromMemory(const_cast<char*>(static_cast<const char*>(data)),
+                                               static_cast<Py_ssize_t>(n), PyBUF_READ);
+      if (view == nullptr) return false;
+      PyObject* r = PyObject_CallMethod(mac, "update", "O", view);
+      if (r != nullptr) {  // no view of this memory may outlive the call
+        Py_DECREF(r);
+        r = PyObject_CallMethod(view, "release", nullptr);
+        Py_XDECREF(r);
+      }
+      Py_DECREF(view);
+      return r != nullptr;
+    });
+  }
+  bool digest(unsigned char out[16]) {
+    if (mac == nullptr) {
+      XXH128_canonical_t canon;
+      XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(&state));
+      memcpy(out, canon.digest, 16);
+      return true;
+    }
+    return gil->with([&] {
+      PyObject* r = PyObject_CallMethod(mac, "digest", nullptr);
+      if (r == nullptr) return false;
+      bool ok = PyBytes_Check(r) && PyBytes_GET_SIZE(r) == 16;
+      if (ok)
+        memcpy(out, PyBytes_AS_STRING(r), 16);
+      else
+        PyErr_SetString(PyExc_ValueError, "mac.digest(): expected 16 bytes");
+      Py_DECREF(r);
+      return ok;
+    });
+  }
+};
+
+// ----------------------------------------------------------------- safe directories
+
+struct Perms {
+  uid_t uid = 0;
+  mode_t forbidden = 022;   // bits no one else may have (group_shared: 002)
+  std::vector<gid_t> gids;  // trusted groups (group_shared), else empty
+  mode_t dir_mode = 0700, file_mode = 0600;
+  bool group_shared = false;
+
+  bool trusted(const struct stat& st) const {
+    if (!S_ISDIR(st.st_mode) || (st.st_mode & forbidden)) return false;
+    if (st.st_uid == uid) return true;
+    for (gid_t g : gids)
+      if (st.st_gid == g) return true;
+    return false;
+  }
+};
+
+// The directory `name` of `parent` (no symlink followed), checked; -1 and *status when not.
+int open_dir(int parent, const char* name, const Perms& perms, bool create, bool sync, int* status,
+             int* err) {
+  if (parent < 0) {  // the caller found no (safe) parent directory
+    *status = MISSING, *err = ENOENT;
+    return -1;
+  }
+  const int flags = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
+  bool created = false;
+  int fd = openat(parent, name, flags);
+  if (fd < 0 && errno == ENOENT && create) {
+    if (mkdirat(parent, name, perms.dir_mode) == 0)
+      created = true;
+    else if (errno != EEXIST) {
+      *status = ERROR, *err = errno;
+      return -1;
+    }
+    fd = openat(parent, name, flags);
+  }
+  if (fd < 0) {
+    *err = errno;
+    *status = errno == ENOENT ? MISSING : (errno == ELOOP || errno == ENOTDIR) ? UNSAFE_DIR : ERROR;
+    return -1;
+  }
+  struct stat st;
+  if (created && perms.group_shared) fchmod(fd, perms.dir_mode);  // past the umask
+  if (fstat(fd, &st) != 0 || !perms.trusted(st)) {
+    *err = errno = EPERM;
+    *status = UNSAFE_DIR;
+    close(fd);
+    return -1;
+  }
+  if (created && sync) fsync(parent);
+  return fd;
+}
+
+// ----------------------------------------------------------------- aligned buffers
+
+// Page-aligned buffers (O_DIRECT), kept in a process-wide free list: a batch leases one and
+// gives it back, so a buffer is faulted in once, not once per thread or per unit. At most
+// kKeptBuffers are kept (the rest freed): memory held is bounded by that, not by threads.
+constexpr size_t kKeptBuffers = 16;
+
+struct BufferPool {
+  std::mutex lock;
+  std::vector<std::pair<unsigned char*, size_t>> free;
+};
+// Never destroyed: daemon threads may still be inside a batch while the process exits. A
+// forked child gets a fresh one (the parent's lock may have been held by another thread).
+BufferPool* g_buffers = new BufferPool;
+
+struct Lease {
+  unsigned char* data = nullptr;
+  size_t size = 0;
+  ~Lease() {
+    if (data == nullptr) return;
+    std::lock_guard<std::mutex> hold(g_buffers->lock);
+    if (g_buffers->free.size() < kKeptBuffers)
+      g_buffers->free.emplace_back(data, size);
+    else
+      free(data);
+  }
+  unsigned char* get(size_t want) {
+    if (size >= want) return data;
+    {
+      std::lock_guard<std::mutex> hold(g_buffers->lock);
+      auto& list = g_buffers->free;
+      for (auto& entry : list)
+        if (entry.second >= want) {
+          auto found = entry;
+          if (data != nullptr)
+            entry = {data, size};  // ours was too small: kept for others
+          else
+            entry = list.back(), list.pop_back();
+          data = found.first, size = found.second;
+          return data;
+        }
+    }
+    free(data);
+    data = nullptr, size = 0;
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, want) != 0) return nullptr;
+    data = static_cast<unsigned char*>(p), size = want;
+    return data;
+  }
+};
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Read `want` bytes at `offset` into `buf` (room for `want` rounded up to 4096 when
+// `direct`); the bytes read: fewer only at the end of the file.
+ssize_t read_full(int fd, unsigned char* buf, size_t want, bool direct, off_t offset) {
+  size_t got = 0;
+  while (got < want) {
+    size_t ask = (direct ? round_up(want, kAlign) : want) - got;
+    ssize_t n = pread(fd, buf + got, ask, offset + static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return -1;
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+    if (direct && got % kAlign != 0) break;  // an O_DIRECT read stops short only at the end
+  }
+  return static_cast<ssize_t>(got);
+}
+
+bool write_full(int fd, const struct iovec* iov_in, int count, off_t offset) {
+  struct iovec iov[3];
+  memcpy(iov, iov_in, sizeof(struct iovec) * count);
+  int first = 0;
+  while (first < count) {
+    ssize_t n = pwritev(fd, iov + first, count - first, offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    offset += n;
+    while (n > 0 && first < count) {
+      size_t take =
+          static_cast<size_t>(n) < iov[first].iov_len ? static_cast<size_t>(n) : iov[first].iov_len;
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + take;
+      iov[first].iov_len -= take;
+      n -= static_cast<ssize_t>(take);
+      if (iov[first].iov_len == 0) ++first;
+    }
+  }
+  return true;
+}
+
+// ----------------------------------------------------------------- loads
+
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+
+// Whether the page cache holds all of [0, size) of fd, asked without side effects
+// (cachestat, Linux 6.5); false when the kernel cannot say.
+bool fully_cached(int fd, size_t size) {
+  struct {
+    uint64_t off, len;
+  } range = {0, size};
+  struct {
+    uint64_t cache, dirty, writeback, evicted, recently_evicted;
+  } stat = {};
+  static const long page = sysconf(_SC_PAGESIZE);
+  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return false;
+  return stat.cache >= (size + page - 1) / page;
+}
+
+// A batch item: where its unit is, the header it has (to write) or must have (to read:
+// position 0, checksum zeroed), its bytes (payload to store, or destination of payload
+// bytes [lo, hi)), the MAC of an authenticated unit, and its result.
+struct Item {
+  int fan = -1;
+  const char* kd = nullptr;
+  const char* name = nullptr;
+  Py_buffer head{};
+  Py_buffer data{};
+  PyObject* mac = nullptr;
+  int status = SKIPPED, err = 0;
+  const char* reason = nullptr;
+  Item() = default;
+  Item(const Item&) = delete;
+  ~Item() {  // with the GIL: the batch's items die in the calling function
+    if (head.obj != nullptr) PyBuffer_Release(&head);
+    if (data.obj != nullptr) PyBuffer_Release(&data);
+  }
+  uint64_t payload_length() const {  // from the header (bytes 40..48, little endian)
+    uint64_t n = 0;
+    if (head.len >= 48) memcpy(&n, static_cast<const unsigned char*>(head.buf) + 40, 8);
+    return n;
+  }
+};
+
+struct LoadItem : Item {
+  size_t lo = 0, hi = 0;
+  char reason_buf[96] = {0};
+  unsigned char got[kMaxHeader];
+  size_t got_len = 0;  // the header as read, when it did not match
+  unsigned long long dev = 0, ino = 0;
+  PyObject* result() const {
+    PyObject* read = got_len
+                         ? PyBytes_FromStringAndSize(reinterpret_cast<const char*>(got), got_len)
+                         : Py_NewRef(Py_None);
+    if (read == nullptr) return nullptr;
+    PyObject* r = Py_BuildValue("(iizOKK)", status, err, reason, read, dev, ino);
+    Py_DECREF(read);
+    return r;
+  }
+};
+
+struct LoadOptions {
+  Perms perms;
+  size_t piece = 0, bounce = 0;
+  bool nowait = true, direct = false;
+  long long now_ns = 0, granularity_ns = 0;
+};
+
+// The header as read vs the one expected: all but position (< 2**63) and checksum.
+bool header_matches(const unsigned char* got, const unsigned char* want, size_t hl) {
+  return memcmp(got, want, 32) == 0 && got[39] < 0x80 && memcmp(got + 40, want + 40, 40) == 0 &&
+         memcmp(got + 96, want + 96, hl - 96) == 0;
+}
+
+// What a unit's reader or writer works with: its item and the batch's options, the job's
+// state word, the hook, the batch's aligned buffer, a hasher and the unit's descriptor.
+template <typename ItemT, typename OptionsT>
+struct Worker {
+  ItemT& item;
+  const OptionsT& opt;
+  std::atomic<int>* state;
+  Hook& hook;
+  Lease& buffer;
+  Hasher hasher{};
+  int fd = -1;
+};
+
+struct UnitReader : Worker<LoadItem, LoadOptions> {
+  unsigned char sum[16] = {0};
+  size_t hl = 0, total = 0;
+  bool direct_on = false;
+
+  int fail(int status, const char* reason) {
+    item.reason = reason;
+    return status;
+  }
+
+  // The header (first hl bytes of the unit) is in `got`: check it, start the checksum.
+  int begin(const unsigned char* got) {
+    const auto* want = static_cast<const unsigned char*>(item.head.buf);
+    if (!header_matches(got, want, hl)) {
+      memcpy(item.got, got, hl);
+      item.got_len = hl;
+      return fail(CORRUPT, "header does not match the unit's");
+    }
+    memcpy(sum, got + 80, 16);
+    unsigned char zeroed[kMaxHeader];
+    memcpy(zeroed, got, hl);
+    memset(zeroed + 80, 0, 16);
+    hasher.reset();
+    return hasher.update(zeroed, hl) ? OK : ERROR;
+  }
+
+  // Try one piece [pos, pos + n) from the page cache straight into the destination.
+  int cached_piece(size_t pos, size_t n, bool* done, bool* tried) {
+    *done = *tried = false;
+    size_t p0 = pos < hl ? 0 : pos - hl, p1 = pos + n - hl;
+    if (p0 < item.lo || p1 > item.hi) return OK;  // not all of it wanted: via the buffer
+    *tried = true;
+    unsigned char header[kMaxHeader];
+    auto* dest = static_cast<unsigned char*>(item.data.buf) + (p0 - item.lo);
+    struct iovec iov[2];
+    int count = 0;
+    if (pos == 0) iov[count++] = {header, hl};
+    iov[count++] = {dest, p1 - p0};
+    if (!claim(state)) return EXPIRED;
+    ssize_t got = preadv2(fd, iov, count, static_cast<off_t>(pos), RWF_NOWAIT);
+    int status = OK;
+    if (got == static_cast<ssize_t>(n)) {  // hashed while claimed: the bytes we read
+      *done = true;
+      if (pos == 0) status = begin(header);
+      if (status == OK && !hasher.update(dest, p1 - p0)) status = ERROR;
+    }
+    release(state);
+    return status;
+  }
+
+  // Read [pos, pos + n) into this thread's buffer (may block: never into caller memory),
+  // hash it there piece by piece and copy the wanted part under the claim.
+  int buffered_piece(size_t pos, size_t n) {
+    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
+      int flags = fcntl(fd, F_GETFL);
+      direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+    }
+    unsigned char* buf = buffer.get(round_up(std::min(opt.bounce, total), kAlign));
+    if (buf == nullptr) return item.err = ENOMEM, ERROR;
+    if (hook.fn != nullptr) {
+      char dir[80];
+      snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
+      if (!hook.call("read", dir, item.name, static_cast<long long>(pos))) return ERROR;
+    }
+    ssize_t got = read_full(fd, buf, n, direct_on, static_cast<off_t>(pos));
+    if (got < 0) return item.err = errno, ERROR;
+    if (static_cast<size_t>(got) < n) return fail(CORRUPT, "short read: the file shrank");
+    size_t start = 0;
+    if (pos == 0) {
+      if (int status = begin(buf); status != OK) return status;
+      start = hl;
+    }
+    bool claimed = false;
+    int status = OK;
+    for (size_t at = start; at < n && status == OK;) {
+      size_t m = std::min(opt.piece, n - at);
+      if (!hasher.update(buf + at, m)) {
+        status = ERROR;
+        break;
+      }
+      size_t p0 = pos + at - hl, p1 = p0 + m;  // this piece's payload range
+      size_t a = std::max(p0, item.lo), b = std::min(p1, item.hi);
+      if (a < b) {
+        if (!claimed && !(claimed = claim(state))) {
+          status = EXPIRED;
+          break;
+        }
+        memcpy(static_cast<unsigned char*>(item.data.buf) + (a - item.lo), buf + at + (a - p0),
+               b - a);
+      }
+      at += m;
+    }
+    if (claimed) release(state);
+    return status;
+  }
+
+  int read_unit() {
+    hl = item.head.len;
+    total = hl + item.payload_length();
+    size_t pos = 0;
+    // A failed RWF_NOWAIT read starts readahead: for buffered reads the head start they
+    // need; before an O_DIRECT read the device would read the unit twice. So with
+    // O_DIRECT, try the page cache only when cachestat() says it holds the whole unit.
+    bool cached = opt.nowait && (!opt.direct || fully_cached(fd, total));
+    while (pos < total) {
+      size_t n = std::min(opt.piece, total - pos);
+      if (cached) {
+        bool done, tried;
+        if (int status = cached_piece(pos, n, &done, &tried); status != OK) return status;
+        if (done) {
+          pos += n;
+          continue;
+        }
+        cached = !tried;  // not in the page cache: the rest from the device
+      }
+      if (!cached) n = std::min(opt.bounce, total - pos);
+      if (int status = buffered_piece(pos, n); status != OK) return status;
+      pos += n;
+    }
+    unsigned char digest[16];
+    if (!hasher.digest(digest)) return ERROR;
+    if (memcmp(digest, sum, 16) != 0) return fail(CORRUPT, "checksum mismatch");
+    return OK;
+  }
+
+  int run() {
+    int status = OK;
+    int kfd = open_dir(item.fan, item.kd, opt.perms, false, false, &status, &item.err);
+    if (kfd < 0) return status;
+    const int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+    fd = openat(kfd, item.name, flags | O_NOATIME);
+    if (fd < 0 && errno == EPERM) fd = openat(kfd, item.name, flags);  // O_NOATIME: owner only
+    if (fd < 0) {
+      item.err = errno;
+      close(kfd);
+      return item.err == ENOENT  ? MISSING
+             : item.err == ELOOP ? fail(UNSAFE_FILE, "a symlink")
+                                 : ERROR;
+    }
+    close(kfd);
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+      status = (item.err = errno, ERROR);
+    else if (!S_ISREG(st.st_mode))
+      status = fail(UNSAFE_FILE, "not a regular file");
+    else {
+      item.dev = st.st_dev, item.ino = st.st_ino;
+      uint64_t expected = item.head.len + item.payload_length();
+      if (static_cast<uint64_t>(st.st_size) != expected) {
+        snprintf(item.reason_buf, sizeof item.reason_buf, "size %lld != %llu bytes expected",
+                 static_cast<long long>(st.st_size), static_cast<unsigned long long>(expected));
+        status = fail(CORRUPT, item.reason_buf);
+      } else {
+        status = read_unit();
+      }
+      if (status == OK) {  // recency for other processes: once per recency bucket
+        long long used = std::max<long long>(st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec,
+                                             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+        if (opt.now_ns - used >= opt.granularity_ns) {
+          struct timespec times[2] = {{opt.now_ns / 1000000000LL, opt.now_ns % 1000000000LL},
+                                      {0, UTIME_OMIT}};
+          futimens(fd, times);
+        }
+      }
+    }
+    close(fd);
+    return status;
+  }
+};
+
+// ----------------------------------------------------------------- stores
+
+struct StoreItem : Item {
+  char temp[96] = {0};
+  PyObject* result() const { return Py_BuildValue("(iizOii)", status, err, reason, Py_None, 0, 0); }
+};
+
+struct StoreOptions {
+  Perms perms;
+  int tmp = -1;
+  const char* prefix = "";
+  size_t chunk = 0;
+  bool fsync = false, direct = false;
+};
+
+struct UnitWriter : Worker<StoreItem, StoreOptions> {
+  // The unit as one stream (header with its checksum zeroed, then the payload), written
+  // and hashed in chunks from offset 0; the checksum is patched in last.
+  bool write_stream(size_t* total_out) {
+    const auto* head = static_cast<const unsigned char*>(item.head.buf);
+    const auto* payload = static_cast<const unsigned char*>(item.data.buf);
+    const size_t hl = item.head.len, total = hl + item.data.len;
+    const size_t chunk =
+        opt.direct ? round_up(std::max(opt.chunk, size_t(kAlign)), kAlign) : opt.chunk;
+    unsigned char* buf = nullptr;
+    unsigned char first[kAlign];
+    if (opt.direct && (buf = buffer.get(chunk)) == nullptr) return errno = ENOMEM, false;
+    hasher.reset();
+    for (size_t pos = 0; pos < total;) {
+      size_t n = std::min(chunk, total - pos);
+      struct iovec iov[2];
+      int count = 0;
+      if (pos < hl)
+        iov[count++] = {const_cast<unsigned char*>(head) + pos, std::min(hl, pos + n) - pos};
+      if (pos + n > hl) {
+        size_t p0 = pos < hl ? 0 : pos - hl;
+        iov[count++] = {const_cast<unsigned char*>(payload) + p0, pos + n - hl - p0};
+      }
+      if (opt.direct) {  // copied into the aligned buffer and hashed there, step by step
+        size_t at = 0;
+        for (int i = 0; i < count; ++i)
+          for (size_t done = 0; done < iov[i].iov_len;) {
+            size_t m = std::min(kStep, iov[i].iov_len - done);
+            memcpy(buf + at, static_cast<unsigned char*>(iov[i].iov_base) + done, m);
+            if (!hasher.update(buf + at, m)) return false;
+            at += m, done += m;
+          }
+        size_t padded = round_up(n, kAlign);
+        memset(buf + n, 0, padded - n);
+        if (pos == 0) memcpy(first, buf, kAlign);
+        struct iovec one = {buf, padded};
+        if (!write_full(fd, &one, 1, static_cast<off_t>(pos))) return false;
+      } else {  // written from the caller's memory, then hashed there (now in cache)
+        if (!write_full(fd, iov, count, static_cast<off_t>(pos))) return false;
+        for (int i = 0; i < count; ++i)
+          if (!hasher.update(iov[i].iov_base, iov[i].iov_len)) return false;
+      }
+      pos += n;
+      if (!hook.call("write", "tmp", item.temp, static_cast<long long>(pos))) return false;
+    }
+    unsigned char digest[16];
+    if (!hasher.digest(digest)) return false;
+    if (opt.direct) {
+      memcpy(first + 80, digest, 16);
+      memcpy(buf, first, kAlign);
+      struct iovec one = {buf, size_t(kAlign)};
+      if (!write_full(fd, &one, 1, 0) || ftruncate(fd, static_cast<off_t>(total)) != 0)
+        return false;
+    } else {
+      struct iovec one = {digest, 16};
+      if (!write_full(fd, &one, 1, 80)) return false;
+    }
+    *total_out = total;
+    return true;
+  }
+
+  int run() {
+    int status = OK;
+    int kfd = open_dir(item.fan, item.kd, opt.perms, true, opt.fsync, &status, &item.err);
+    if (kfd < 0) return status;
+    struct stat st;
+    if (fstatat(kfd, item.name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      close(kfd);
+      return EXISTS;
+    }
+    if (errno != ENOENT) {
+      item.err = errno;
+      close(kfd);
+      return ERROR;
+    }
+    unsigned char random[8];
+    if (getrandom(random, sizeof random, 0) != sizeof random) {
+      item.err = errno;
+      close(kfd);
+      return ERROR;
+    }
+    unsigned long long r;
+    memcpy(&r, random, 8);
+    snprintf(item.temp, sizeof item.temp, "%s%016llx.tmp", opt.prefix, r);
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    fd = openat(opt.tmp, item.temp, flags | (opt.direct ? O_DIRECT : 0), opt.perms.file_mode);
+    if (fd < 0) {
+      item.err = errno;
+      item.temp[0] = 0;
+      close(kfd);
+      return ERROR;
+    }
+    size_t total = 0;
+    bool ok = (!opt.perms.group_shared || fchmod(fd, opt.perms.file_mode) == 0) &&
+              write_stream(&total) && (!opt.fsync || fdatasync(fd) == 0);
+    int saved = errno;
+    close(fd);
+    if (ok) ok = hook.call("publish", "tmp", item.temp, static_cast<long long>(total));
+    if (!ok) {
+      item.err = saved;
+      status = ERROR;
+    } else if (!claim(state)) {
+      status = EXPIRED;
+    } else {  // never replaces: the first writer wins
+      long moved = syscall(SYS_renameat2, opt.tmp, item.temp, kfd, item.name, RENAME_NOREPLACE);
+      if (moved != 0 && (errno == EINVAL || errno == ENOSYS))  // no RENAME_NOREPLACE here
+        moved = linkat(opt.tmp, item.temp, kfd, item.name, 0);
+      else if (moved == 0)
+        item.temp[0] = 0;  // renamed: no temp left
+      item.err = moved == 0 ? 0 : errno;
+      release(state);
+      status = moved == 0 ? OK : item.err == EEXIST ? LOST : item.err == ENOENT ? MISSING : ERROR;
+    }
+    if (item.temp[0] != 0) unlinkat(opt.tmp, item.temp, 0);
+    if (status == OK && opt.fsync && fsync(kfd) != 0) status = (item.err = errno, ERROR);
+    close(kfd);
+    return status;
+  }
+};
+
+// ----------------------------------------------------------------- argument parsing
+
+std::atomic<int>* job_word(PyObject* obj) {
+  if (!PyObject_TypeCheck(obj, JobStateType)) {
+    PyErr_Format(PyExc_TypeError, "state: expected a JobState, got %s", Py_TYPE(obj)->tp_name);
+    return nullptr;
+  }
+  return &reinterpret_cast<JobState*>(obj)->word;
+}
+
+bool parse_perms(PyObject* obj, Perms* perms) {
+  PyObject* gids;
+  unsigned int uid, forbidden, dir_mode, file_mode;
+  int shared;
+  if (!PyArg_ParseTuple(
+          obj, "IIO!IIp;perms: expected (uid, forbidden, gids, dir_mode, file_mode, group_shared)",
+          &uid, &forbidden, &PyTuple_Type, &gids, &dir_mode, &file_mode, &shared))
+    return false;
+  perms->uid = uid, perms->forbidden = forbidden, perms->dir_mode = dir_mode;
+  perms->file_mode = file_mode, perms->group_shared = shared != 0;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(gids); ++i) {
+    unsigned long g = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(gids, i));
+    if (PyErr_Occurred()) return false;
+    perms->gids.push_back(static_cast<gid_t>(g));
+  }
+  return true;
+}
+
+// Run a batch with the GIL released (taken back for hooks and MACs only); one result
+// per item, or nullptr with the exception a callback raised.
+template <typename Work, typename Items, typename Options>
+PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, PyObject* hook_obj) {
+  Gil gil;
+  Hook hook{hook_obj == Py_None ? nullptr : hook_obj, &gil};
+  gil.drop();
+  {
+    Lease buffer;
+    for (auto& it : items) {
+      Work worker{{it, opt, state, hook, buffer}};
+      worker.hasher.mac = it.mac, worker.hasher.gil = &gil;
+      it.status = worker.run();
+      if (gil.failed || it.status == EXPIRED) break;
+    }
+  }
+  gil.take();
+  if (gil.failed) return nullptr;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(items.size()));
+  for (size_t i = 0; out != nullptr && i < items.size(); ++i) {
+    PyObject* r = items[i].result();
+    if (r == nullptr)
+      Py_CLEAR(out);
+    else
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), r);
+  }
+  return out;
+}
+
+// ----------------------------------------------------------------- load(...)
+
+const char load_doc[] =
+    "load(state, items, perms, piece, bounce, nowait, direct, now_ns, granularity_ns, hook)\n"
+    "items: [(fan_fd, kd, name, header, dest, lo, hi, mac or None)]; one (status, errno,\n"
+    "reason, header read or None, st_dev, st_ino) per item. The GIL is released throughout.";
+
+PyObject* py_load(PyObject*, PyObject* args) {
+  PyObject *state_obj, *items_obj, *perms_obj, *hook_obj;
+  Py_ssize_t piece, bounce;
+  int nowait, direct;
+  long long now_ns, granularity_ns;
+  if (!PyArg_ParseTuple(args, "OO!OnnppLLO", &state_obj, &PyList_Type, &items_obj, &perms_obj,
+                        &piece, &bounce, &nowait, &direct, &now_ns, &granularity_ns, &hook_obj))
+    return nullptr;
+  std::atomic<int>* state = job_word(state_obj);
+  if (state == nullptr) return nullptr;
+  LoadOptions opt;
+  if (!parse_perms(perms_obj, &opt.perms)) return nullptr;
+  if (piece < kAlign || bounce < piece || bounce % kAlign != 0) {
+    PyErr_SetString(PyExc_ValueError,
+                    "piece, bounce: expected 4096 <= piece <= bounce, bounce a multiple of 4096");
+    return nullptr;
+  }
+  opt.piece = static_cast<size_t>(piece), opt.bounce = static_cast<size_t>(bounce);
+  opt.nowait = nowait != 0, opt.direct = direct != 0;
+  opt.now_ns = now_ns, opt.granularity_ns = granularity_ns;
+  Py_ssize_t count = PyList_GET_SIZE(items_obj);
+  std::vector<LoadItem> items(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    LoadItem& it = items[static_cast<size_t>(i)];
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(
+            PyList_GET_ITEM(items_obj, i),
+            "issy*w*nnO;items: expected (fan_fd, kd, name, header, dest, lo, hi, mac)", &it.fan,
+            &it.kd, &it.name, &it.head, &it.data, &lo, &hi, &it.mac))
+      return nullptr;
+    if (it.head.len < 96 || it.head.len > static_cast<Py_ssize_t>(kMaxHeader) || lo < 0 ||
+        hi < lo || static_cast<uint64_t>(hi) > it.payload_length() || it.data.len != hi - lo) {
+      PyErr_SetString(
+          PyExc_ValueError,
+          "items: header of 96..1120 bytes, 0 <= lo <= hi <= payload, len(dest) == hi - lo");
+      return nullptr;
+    }
+    it.lo = static_cast<size_t>(lo), it.hi = static_cast<size_t>(hi);
+    if (it.mac == Py_None) it.mac = nullptr;
+  }
+  return run_batch<UnitReader>(items, opt, state, hook_obj);
+}
+
+// ----------------------------------------------------------------- store(...)
+
+const char store_doc[] =
+    "store(state, items, perms, tmp_fd, temp_prefix, chunk, fsync, direct, hook)\n"
+    "items: [(fan_fd, kd, name, header, payload, mac or None)]; one (status, errno,\n"
+    "reason, None, 0, 0) per item. The GIL is released throughout.";
+
+PyObject* py_store(PyObject*, PyObject* args) {
+  PyObject *state_obj, *items_obj, *perms_obj, *hook_obj;
+  int tmp, fsync_on, direct;
+  const char* prefix;
+  Py_ssize_t chunk;
+  if (!PyArg_ParseTuple(args, "OO!OisnppO", &state_obj, &PyList_Type, &items_obj, &perms_obj, &tmp,
+                        &prefix, &chunk, &fsync_on, &direct, &hook_obj))
+    return nullptr;
+  std::atomic<int>* state = job_word(state_obj);
+  if (state == nullptr) return nullptr;
+  StoreOptions opt;
+  if (!parse_perms(perms_obj, &opt.perms)) return nullptr;
+  if (chunk < 1 || strlen(prefix) > 60) {
+    PyErr_SetString(PyExc_ValueError, "chunk: expected >= 1; temp_prefix: at most 60 characters");
+    return nullptr;
+  }
+  opt.tmp = tmp, opt.prefix = prefix, opt.chunk = static_cast<size_t>(chunk);
+  opt.fsync = fsync_on != 0, opt.direct = direct != 0;
+  Py_ssize_t count = PyList_GET_SIZE(items_obj);
+  std::vector<StoreItem> items(static_cast<size_t>(count));
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    StoreItem& it = items[static_cast<size_t>(i)];
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(items_obj, i),
+                          "issy*y*O;items: expected (fan_fd, kd, name, header, payload, mac)",
+                          &it.fan, &it.kd, &it.name, &it.head, &it.data, &it.mac))
+      return nullptr;
+    if (it.head.len < 96 || it.head.len > static_cast<Py_ssize_t>(kMaxHeader)) {
+      PyErr_SetString(PyExc_ValueError, "items: expected a header of 96 to 1120 bytes");
+      return nullptr;
+    }
+    if (it.mac == Py_None) it.mac = nullptr;
+  }
+  return run_batch<UnitWriter>(items, opt, state, hook_obj);
+}
+
+// ----------------------------------------------------------------- xxh3_128(...)
+
+PyObject* py_xxh3_128(PyObject*, PyObject* args) {
+  Py_buffer view;
+  if (!PyArg_ParseTuple(args, "y*", &view)) return nullptr;
+  Hasher hasher;
+  hasher.reset();
+  Py_BEGIN_ALLOW_THREADS;
+  hasher.update(view.buf, static_cast<size_t>(view.len));
+  Py_END_ALLOW_THREADS;
+  PyBuffer_Release(&view);
+  unsigned char digest[16];
+  hasher.digest(digest);
+  return PyBytes_FromStringAndSize(reinterpret_cast<char*>(digest), 16);
+}
+
+PyMethodDef methods[] = {
+    {"load", py_load, METH_VARARGS, load_doc},
+    {"store", py_store, METH_VARARGS, store_doc},
+    {"xxh3_128", py_xxh3_128, METH_VARARGS,
+     "XXH3-128 (seed 0) of a buffer, canonical (big-endian) bytes, without the GIL."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_unitio",
+                      "Batch unit-file I/O for canonical_ops.units.files, without the GIL.", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__unitio(void) {
+  pthread_atfork(nullptr, nullptr, [] { g_buffers = new BufferPool; });
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  JobStateType = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&JobState_spec));
+  if (JobStateType == nullptr ||
+      PyModule_AddObjectRef(m, "JobState", reinterpret_cast<PyObject*>(JobStateType)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  const struct {
+    const char* name;
+    int value;
+  } constants[] = {{"OK", OK},
+                   {"MISSING", MISSING},
+                   {"UNSAFE_DIR", UNSAFE_DIR},
+                   {"UNSAFE_FILE", UNSAFE_FILE},
+                   {"CORRUPT", CORRUPT},
+                   {"EXPIRED", EXPIRED},
+                   {"ERROR", ERROR},
+                   {"EXISTS", EXISTS},
+                   {"LOST", LOST},
+                   {"SKIPPED", SKIPPED}};
+  for (const auto& c : constants)
+    if (PyModule_AddIntConstant(m, c.name, c.value) < 0) {
+      Py_DECREF(m);
+      return nullptr;
+    }
+  return m;
+}
