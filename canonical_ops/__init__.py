@@ -1,10 +1,6 @@
-"""canonical-kv: move KV-cache pages to and from canonical CPU pages with fused kernels.
-
-This package is the ops core (the extension's ``torch.ops.canonical`` ops, typed wrappers
-:func:`store` / :func:`load`, fake kernels, :func:`make_plan`); :mod:`canonical_ops.units`
-is the unit store; :mod:`canonical_ops.vllm`, :mod:`canonical_ops.sglang` and
-:mod:`canonical_ops.engine` (standalone) are the adapters. Imports are lazy: the compiled
-extension loads on the first use of an op-related name.
+"""canonical-kv: move KV-cache pages to and from canonical CPU pages with fused kernels. The ops
+core (:func:`store`, :func:`load`, :func:`make_plan`), the unit store (:mod:`.units`) and the
+adapters (:mod:`.vllm`, :mod:`.sglang`, :mod:`.engine`); the extension loads on first use.
 """
 
 from __future__ import annotations

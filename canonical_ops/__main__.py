@@ -1,15 +1,15 @@
-"""Command line of canonical_ops: `python -m canonical_ops demo|store [...]`.
-
-A usage error is one line on stderr and exit status 2.
-"""
+"""Command line of canonical_ops: `python -m canonical_ops demo|store [...]`; a usage error
+is one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from layouts.cli import run_console
 
 PROG = "python -m canonical_ops"
+COMMANDS = {"demo": ".demo", "store": ".units.cli"}  # command -> module with main(argv)
 USAGE = (
     f"usage: {PROG} {{demo,store}} [--help] [flags]\n\n"
     "commands:\n"
@@ -27,14 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(f"{PROG}: error: a command is required: demo or store (see --help)", file=sys.stderr)
         return 2
-    if argv[0] == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(argv[1:])
-    if argv[0] == "store":
-        from .units.cli import main as store_main
-
-        return store_main(argv[1:])
+    if argv[0] in COMMANDS:  # a command's modules load on first use
+        return importlib.import_module(COMMANDS[argv[0]], __package__).main(argv[1:])
     print(f"{PROG}: error: unknown command {argv[0]!r}; try `{PROG} --help`", file=sys.stderr)
     return 2
 

@@ -1,7 +1,6 @@
-"""The one checker of integer arguments and id arrays across canonical_ops, so every entry
-point agrees: Python and numpy integers are accepted, anything else raises ``TypeError``, a
-value out of range ``ValueError`` (or a subclass such as ``PageStateError``), naming the
-argument and the expected value. Pure Python + numpy (torch only for a tensor)."""
+"""The one checker of integer arguments and id arrays across canonical_ops, so every entry point
+agrees: ``TypeError`` for a non-integer, ``ValueError`` (or a subclass) out of range, naming the
+argument and the expected value."""
 
 from __future__ import annotations
 

@@ -60,14 +60,10 @@ def store(
     block_ids: IdsLike,
     page_ids: IdsLike,
 ) -> None:
-    """Copy blocks ``block_ids`` of every layer (``kv_caches``, one ``(num_blocks, ...)``
-    tensor each) into canonical pages ``page_ids`` of ``cpu_pages`` (uint8 ``(num_rows,
-    row_bytes)``, pinned for CUDA) with ``plan`` (:func:`canonical_ops.make_plan`): only the
-    bytes this rank is an elected writer of. Asynchronous on CUDA (current stream).
-
-    Ids: integers only (floats, bools, strings raise TypeError), on the kv device or CPU.
-    Page ids must be distinct (ValueError); device-resident ones cannot be checked without
-    a sync: a repeated one leaves that page an undefined mix of its sources.
+    """Copy blocks ``block_ids`` of every layer (``kv_caches``) into canonical pages ``page_ids``
+    of ``cpu_pages`` (uint8 rows, pinned for CUDA) with ``plan``: the bytes this rank is elected
+    for; asynchronous on CUDA (current stream). Ids: integers, on the kv device or CPU; page ids
+    distinct (ValueError; unchecked on the device: a repeat leaves that page an undefined mix).
     """
     _call(True, kv_caches, cpu_pages, plan, block_ids, page_ids)
 
@@ -79,11 +75,8 @@ def load(
     block_ids: IdsLike,
     page_ids: IdsLike,
 ) -> None:
-    """Copy canonical pages ``page_ids`` into blocks ``block_ids`` of every layer.
-
-    Every byte of each block's local page is written; see :func:`store` for the
-    arguments. Block ids must be distinct (the destinations); page ids may repeat.
-    """
+    """Copy canonical pages ``page_ids`` into blocks ``block_ids`` of every layer (every byte of
+    their local pages; arguments as :func:`store`): block ids distinct, page ids may repeat."""
     _call(False, kv_caches, cpu_pages, plan, block_ids, page_ids)
 
 
@@ -116,11 +109,9 @@ def transfer_error(
 
 
 def check_device_errors(plan: torch.Tensor) -> None:
-    """Raise if a CUDA kernel using ``plan`` refused an out-of-range device id, then clear
-    the record. Call after synchronising with the transfers: the record is mapped pinned
-    host memory, read with no CUDA call. One record per plan, shared by every stream using
-    it (the offload workers give each kernel its own: ``transfer.ErrorRecords``). A no-op
-    for CPU plans (their ids are checked before the copy)."""
+    """Raise if a CUDA kernel using ``plan`` refused an out-of-range device id, then clear its
+    record (one per plan, shared by every stream using it; read with no CUDA call, so call after
+    synchronising). A no-op for CPU plans (their ids are checked before the copy)."""
     error = transfer_error(torch.ops.canonical._plan_error(plan))
     if error is not None:
         raise error

@@ -350,23 +350,15 @@ def make_plan(
 ) -> torch.Tensor:
     """Build the transfer plan of a set of layers, once: an int64 tensor on the kv device.
 
-    ``mappings`` (this rank's) and ``kv_caches`` (leading dim = blocks): one per layer.
-    ``cpu_pages``: uint8 ``(num_rows, row_bytes)``, contiguous rows, each holding
-    ``pages_per_row`` canonical pages of every layer (vLLM: blocks per chunk) at
-    ``area_offsets`` (default: consecutive areas, layer 0 first). ``max_fragment_bytes``
-    (a multiple of 16) splits fragments into work items; default 2048 on CUDA, none on CPU.
-
-    ``specs``: each tensor's page, for mappings that do not carry it. A mapping derived by
-    ``layouts`` carries it (``mapping.derived_for``; a spec given must be that page). Where
-    a layer has a page, ``LayerSpec.from_tensor`` must recognise ``kv_caches[l]`` as exactly
-    it (an opaque mapping: its dtype and one whole page per block) and the mapping's local
-    page must be its size; a hand-built mapping with no spec must fit the block stride.
-
-    The plan records each tensor (dtype, shape, strides) and the row stride: the ops refuse
-    other tensors. On CUDA it is registered: calls validate against the extension's verified
-    words and the kernel reads its own device copy (editing the tensor changes nothing);
-    keep the plan alive while a CUDA graph using it exists. TypeError / ValueError name the
-    bad argument; RuntimeError: CUDA tensors and no CUDA kernels or no image for the GPU.
+    One mapping (this rank's) and kv tensor (leading dim = blocks) per layer; ``cpu_pages``:
+    uint8 ``(num_rows, row_bytes)``, contiguous rows of ``pages_per_row`` canonical pages of
+    every layer at ``area_offsets`` (default: consecutive, layer 0 first); ``max_fragment_bytes``
+    (a multiple of 16) splits work items (default 2048 on CUDA). ``specs``: each tensor's page,
+    for mappings that do not carry one (``derived_for``). A tensor must be exactly its page
+    (opaque: its dtype, one whole page per block); with no page, the mapping must fit the block
+    stride. The plan records each tensor and the row stride (the ops refuse others); on CUDA the
+    kernel reads the extension's own verified copy: keep the plan alive while a CUDA graph uses
+    it. TypeError / ValueError name the bad argument; RuntimeError: no kernels for the device.
     """
     args = (mappings, kv_caches, cpu_pages, pages_per_row, area_offsets, max_fragment_bytes, specs)
     host = torch.from_numpy(_plan_words(*args))

@@ -1,11 +1,6 @@
-"""The job machinery every offload worker shares, and host registration.
-
-:class:`TransferQueue` runs canonical stores / loads as jobs: on CPU inside ``submit``; on
-CUDA on its side stream after the work already queued on the caller's stream, with host ids
-checked and staged through pooled pinned buffers, one device-error record per kernel in
-mapped host memory (finishing never waits on the compute stream), pooled events, and the
-kernels' tensors kept alive until the job completed. :func:`register_host_memory` page-locks
-host memory the kernels address directly.
+"""The job machinery every offload worker shares (:class:`TransferQueue`: canonical stores /
+loads as jobs, inline on CPU, on a side stream with pooled resources on CUDA), and host
+registration (:func:`register_host_memory`) of memory the kernels address directly.
 """
 
 from __future__ import annotations
@@ -83,9 +78,8 @@ def unregister_host_memory(addresses: Sequence[int], *, cudart=None) -> None:
 
 
 class ErrorRecords:
-    """A pool of per-kernel device-error records in pinned host memory, which the reporting
-    kernels write through its mapping; :meth:`release` reads one with host loads once its
-    job completed. Never moved or freed while the pool lives (a kernel may hold their
+    """Per-kernel device-error records in pinned mapped host memory (read with host loads once
+    the job completed; never moved or freed while the pool lives: a kernel may hold their
     address). ``chunk``: records allocated at a time; ``pin=False`` for CPU tests."""
 
     def __init__(self, chunk: int = 64, *, pin: bool = True) -> None:

@@ -1,9 +1,5 @@
-"""canonical-kv layouts: canonical page mappings of KV caches, format v1.
-
-The only part of canonical-kv that reasons about tensor, decode-context and
-prefill-context parallelism. Everything downstream (plans, kernels, the
-offload worker) consumes the byte mappings produced here. Pure Python and
-numpy: no torch ops, no I/O.
+"""canonical-kv layouts: canonical page mappings of KV caches, format v1. The only part of
+canonical-kv that reasons about parallelism; pure Python and numpy (no torch ops, no I/O).
 
 Quickstart
 ----------
@@ -28,11 +24,7 @@ from .election import RankShare, WriterElection
 from .mapping import CanonicalPageMapping, CopyRun
 from .quant import KVScales, derive_scaled_group_mappings
 from .spec import LayerSpec, RankContext
-from .state import (
-    StateSpec,
-    derive_state_group_mappings,
-    state_certification_failure,
-)
+from .state import StateSpec, derive_state_group_mappings, state_certification_failure
 from .tiling import TilingError, verify_tiling
 
 __all__ = [

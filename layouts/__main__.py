@@ -1,11 +1,6 @@
-"""`python -m layouts explain ...`: which rank writes which bytes of a canonical page.
-
-Every argument is checked before any work: a user error is one line on stderr and
-exit status 2, never a traceback. Topologies are bounded (at most ``MAX_RANKS``
-ranks, at most ``MAX_FRAGMENTS`` copy fragments to derive), so an answer takes
-seconds, not minutes. A topology vLLM would not certify is still explained: the
-report says why it falls back to the opaque layout.
-"""
+"""`python -m layouts explain ...`: which rank writes which bytes of a canonical page. Arguments
+are checked first (a user error is one line, exit 2) and topologies bounded, so an answer takes
+seconds; an uncertified topology is explained too (the report says why)."""
 
 from __future__ import annotations
 
@@ -34,11 +29,8 @@ def dtype_arg(text: str) -> str:
 
 
 def estimated_fragments(args, heads_per_rank: int) -> int:
-    """Upper bound of the copy fragments ``derive_group_mappings`` builds for the group.
-
-    One region per (K/V half, head) that is not contiguous across tokens; with
-    context parallelism one fragment per chunk of ``interleave`` tokens of each.
-    """
+    """Upper bound of the copy fragments ``derive_group_mappings`` builds for the group: one
+    region per non-contiguous (K/V half, head), times the chunks of context parallelism."""
     if args.attention == "mla" or (args.packing == "packed" and args.order == "NHD"):
         regions = 1
     elif args.packing == "packed":

@@ -26,11 +26,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr and exit status 2.
-
-    Subparsers made by ``add_subparsers`` are CliParsers too. ``fail`` reports
-    errors found after parsing (ranges that depend on several flags) the same way.
-    """
+    """An ArgumentParser whose usage errors are one line on stderr and exit status 2 (its
+    subparsers too); ``fail`` reports errors found after parsing the same way."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)

@@ -1,13 +1,6 @@
-"""Derivation of canonical page mappings (format v1) from a LayerSpec and a RankContext.
-
-This is the only code in canonical-kv that reasons about TP/DCP/PCP, heads and
-tokens. It fails closed: whenever a layer's bytes cannot be proven to land in
-the same canonical place under every topology (an unexpected head count, a TP
-size that does not divide, quantisation scales outside the page, ...), the
-layer gets no certified mapping, and the group falls back to an opaque mapping
-that stores each rank's page whole at a rank-exclusive offset. Opaque pages
-are only readable by the same topology, which is safe; a wrong certified
-mapping would silently hand a reader another rank's bytes, which is not.
+"""Derivation of canonical page mappings (format v1) from a LayerSpec and a RankContext. Fails
+closed: a layer whose bytes cannot be proven to land in the same canonical place under every
+topology falls back to opaque pages (each rank's page whole, readable by the same topology only).
 """
 
 from __future__ import annotations
@@ -38,11 +31,8 @@ _FORMAT_FAMILIES = {"NHD": "nhd", "HND": "hnd", "LBNHC": "nhd", "LBHNC": "hnd"}
 
 
 def canonical_format_id(order: str) -> str:
-    """Identity of the canonical byte format, for namespacing persisted KV.
-
-    Canonical pages keep the worker's stride order, so a reader must match both
-    the version and the family: ``canonical_format_id("NHD") == "v1-nhd"``.
-    """
+    """Identity of the canonical byte format (version and stride-order family), for namespacing
+    persisted KV: ``canonical_format_id("NHD") == "v1-nhd"``."""
     family = _FORMAT_FAMILIES.get(str(order).upper())
     if family is None:
         raise ValueError(f"order: expected 'NHD' or 'HND', got {order!r}")
@@ -50,12 +40,8 @@ def canonical_format_id(order: str) -> str:
 
 
 def _place_tokens(regions: list[CopyRun], ctx: RankContext) -> tuple[CopyRun, ...]:
-    """Runs putting each region (one row per token of the block) at its canonical tokens.
-
-    Without context parallelism a region is its own run; with it, one run per chunk of
-    ``interleave`` tokens, since consecutive chunks of this rank sit ``cp_size`` chunks
-    apart canonically.
-    """
+    """Runs putting each region (one row per token of the block) at its canonical tokens: with
+    context parallelism one run per chunk of ``interleave`` tokens (``cp_size`` chunks apart)."""
     if ctx.cp_size > 1:
         regions = [
             CopyRun(  # the same run over the chunk's tokens from its first one
@@ -76,12 +62,8 @@ def _place_tokens(regions: list[CopyRun], ctx: RankContext) -> tuple[CopyRun, ..
 def _attention_regions(
     spec: LayerSpec, head_shard: int, num_head_shards: int, cp_size: int
 ) -> list[CopyRun]:
-    """Per-token rows of a full-attention page holding head shard ``head_shard``.
-
-    A packed page is one half holding K and V of each (token, head) together; a split page
-    is two halves, K then V. NHD: one region per half (a token's heads are adjacent);
-    HND: one per (half, head), each head's tokens contiguous in the canonical page.
-    """
+    """Per-token rows of a full-attention page holding head shard ``head_shard``: one region
+    per page half (packed: one, split: K then V) for NHD, one per (half, head) for HND."""
     bs, heads, shards = spec.block_size, spec.num_kv_heads, num_head_shards
     halves = 1 if spec.packing == "packed" else 2
     head_bytes = 2 // halves * spec.head_size * spec.element_size  # a (token, head)'s half
@@ -186,13 +168,9 @@ def opaque_fallback_mapping(
     derived_for: LayerSpec | None = None,
     fallback_reason: str = "stored opaquely",
 ) -> CanonicalPageMapping:
-    """Fallback: the rank's page stored whole at the rank-exclusive offset ``rank * page_size``.
-
-    Readable only by the same topology, which is why it is never certified as
-    parallelism agnostic. ``derived_for``: the page it stands for, when known
-    (:func:`derive_group_mappings` passes the layer's spec); ``fallback_reason``:
-    why the layer is opaque.
-    """
+    """Fallback: the rank's page stored whole at the rank-exclusive offset ``rank * page_size``
+    (readable only by the same topology: never parallelism agnostic); ``derived_for``: the
+    page it stands for, when known; ``fallback_reason``: why the layer is opaque."""
     # A 0-byte page (a block shorter than one compressed state) is legal, as in vLLM.
     if page_size_bytes < 0:
         raise ValueError(f"page_size_bytes: expected an int >= 0, got {page_size_bytes!r}")
@@ -240,15 +218,9 @@ def derive_group_mappings(
     *,
     layer_name: str = "<layer>",
 ) -> tuple[CanonicalPageMapping, ...]:
-    """Mappings of one layer for every rank of a ``tp_size * pcp_size`` group, verified,
-    indexed by rank (``pcp_rank * tp_size + tp_rank``).
-
-    Every rank certifies, or every rank gets :func:`opaque_fallback_mapping`
-    (mixing the two would tile nothing). The result is checked by
-    :func:`verify_tiling`, which raises ``TilingError`` naming ``layer_name``.
-    Results are cached per (spec, topology): a model's identical layers cost
-    one derivation.
-    """
+    """Mappings of one layer for every rank of a ``tp_size * pcp_size`` group, indexed by rank
+    (``pcp_rank * tp_size + tp_rank``): all certified or all opaque, verified (``TilingError``
+    naming ``layer_name``) and cached per (spec, topology)."""
     ctx = RankContext(tp_size, total_kv_heads, 0, dcp_size, pcp_size, interleave)
     return _group_mappings(spec, ctx, layer_name)
 
@@ -284,12 +256,8 @@ def group_layer_mappings(
     fallback_page_sizes: Sequence[int] | None = None,
     layer_names: Sequence[str] | None = None,
 ) -> list[tuple[CanonicalPageMapping, ...]]:
-    """Every layer's verified mappings for every rank of ``ctx``'s group.
-
-    A layer whose spec is None (layout not recognised) gets the opaque fallback with
-    ``fallback_page_sizes[l]`` bytes per page (its block size in bytes). Every opaque
-    mapping carries its ``fallback_reason``.
-    """
+    """Every layer's verified mappings for every rank of ``ctx``'s group; a layer whose spec is
+    None gets the opaque fallback of ``fallback_page_sizes[l]`` bytes per page."""
     out = []
     for layer, spec in enumerate(specs):
         if spec is not None:

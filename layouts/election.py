@@ -1,9 +1,5 @@
-"""The writer election: which rank writes which canonical page's bytes, and how many.
-
-Ranks holding the same bytes (replicated heads, the MLA latent) take turns by page id:
-a rank writes page ``p`` of a layer when ``mapping.is_writer(p)``. This module is the
-one place that turns that rule into the answers adapters need: the ranks a page waits
-for (:class:`WriterElection`) and the bytes one rank moves (:class:`RankShare`).
+"""The writer election (ranks holding the same bytes take turns by page id): the ranks a page
+waits for (:class:`WriterElection`) and the bytes one rank moves (:class:`RankShare`).
 """
 
 from __future__ import annotations
@@ -34,12 +30,8 @@ def _checked(name: str, mappings: Sequence[CanonicalPageMapping]) -> tuple:
 
 
 class RankShare:
-    """What ONE rank writes and reads per canonical page, over a set of layers.
-
-    ``mappings``: the rank's mapping of each layer (a layer may appear twice, e.g. once
-    per vLLM ref: each counts). Stores write the local page of every layer the rank is
-    elected for; loads read every local page.
-    """
+    """What ONE rank writes (its elected layers' local pages) and reads (every local page) per
+    canonical page, over its ``mappings`` of a set of layers (a layer listed twice counts twice)."""
 
     def __init__(self, mappings: Sequence[CanonicalPageMapping]) -> None:
         self.mappings = _checked("mappings", mappings)
@@ -73,12 +65,9 @@ class RankShare:
 
 
 class WriterElection:
-    """The election of a set of layers over a group of ranks.
-
-    ``layer_group_mappings[l][r]``: layer ``l``'s mapping at rank ``r`` (e.g. one
-    ``derive_group_mappings`` result per layer). A page is complete once every rank in
-    :meth:`writers` stored it: each wrote the layers it is elected for.
-    """
+    """The election of a set of layers (``layer_group_mappings[l][r]``: layer ``l``'s mapping at
+    rank ``r``) over a group of ranks: a page is complete once every rank in :meth:`writers`
+    stored it."""
 
     def __init__(self, layer_group_mappings: Sequence[Sequence[CanonicalPageMapping]]) -> None:
         name = "layer_group_mappings"

@@ -14,11 +14,8 @@ RANK_SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def _coverage(mapping: CanonicalPageMapping, edges: np.ndarray) -> np.ndarray:
-    """Bytes of each column [edges[i], edges[i+1]) that ``mapping`` writes.
-
-    O((fragments + columns) log fragments): the bytes written below each edge,
-    from the sorted fragments' cumulative sizes, differenced per column.
-    """
+    """Bytes of each column [edges[i], edges[i+1]) that ``mapping`` writes: the bytes written
+    below each edge (sorted fragments' cumulative sizes), differenced per column."""
     frags = mapping.fragments()
     order = np.argsort(frags[:, 1], kind="stable")
     starts, sizes = frags[order, 1], frags[order, 2]
@@ -54,11 +51,8 @@ def _column_edges(mappings: Sequence[CanonicalPageMapping], page_id: int, width:
 
 
 def picture(mappings: Sequence[CanonicalPageMapping], page_id: int = 0, width: int = 64) -> str:
-    """One row per rank, one column per byte range of canonical page ``page_id``.
-
-    A cell shows the rank's symbol where it writes the whole range, ``+`` where
-    it writes part of it, and ``.`` where it writes none of it.
-    """
+    """One row per rank, one column per byte range of canonical page ``page_id``: the rank's
+    symbol where it writes the whole range, ``+`` where part of it, ``.`` where none."""
     edges = _column_edges(mappings, page_id, width)
     widths = np.diff(edges)
     exact = len(edges) - 1 < width

@@ -1,12 +1,6 @@
-"""Byte mappings between one rank's physical KV page and a canonical page.
-
-A canonical page is a layer's offloaded block without parallelism: every KV
-head, every token of the block (``block_size * dcp * pcp`` tokens), in the
-worker's page encoding. A :class:`CanonicalPageMapping` says, for one rank,
-which bytes of its local page land where in the canonical page, as a short
-tuple of strided :class:`CopyRun` records. These records (and the order and
-coalescing of them) follow vLLM 0.33's canonical format v1, so two programs
-that agree on them write the same bytes.
+"""Byte mappings between one rank's physical KV page and a canonical page (a layer's block
+without parallelism), as strided :class:`CopyRun` records ordered and coalesced exactly as
+vLLM 0.33's canonical format v1, so two programs that agree on them write the same bytes.
 """
 
 from __future__ import annotations
@@ -26,13 +20,9 @@ __all__ = ["CanonicalPageMapping", "CopyRun", "coalesce_runs"]
 
 @dataclass(frozen=True)
 class CopyRun:
-    """A strided byte correspondence between a local page and a canonical page.
-
-    Fragment ``i`` (``0 <= i < num_fragments``) spans
-    ``[local_offset + i * local_stride, + fragment_size)`` in the rank's page
-    and ``[canonical_offset + i * canonical_stride, + fragment_size)`` in the
-    canonical page. All quantities are bytes.
-    """
+    """A strided byte correspondence between a local page and a canonical page: fragment ``i``
+    spans ``[local_offset + i * local_stride, + fragment_size)`` in the rank's page and
+    ``[canonical_offset + i * canonical_stride, + fragment_size)`` in the canonical one (bytes)."""
 
     local_offset: int
     canonical_offset: int
@@ -47,39 +37,16 @@ _run_fields = attrgetter(*(f.name for f in fields(CopyRun)))  # a run as a tuple
 
 @dataclass(frozen=True)
 class CanonicalPageMapping:
-    """How one rank's page maps into a canonical (parallelism-free) page.
+    """How one rank's page (``local_page_size_bytes``, unpadded) maps into a canonical
+    (parallelism-free) page: ``runs`` cover the local page exactly once, in both directions;
+    the ``num_writers`` ranks holding these exact bytes take turns by page id (this one is
+    ``writer_index``); ``parallelism_agnostic``: the same canonical bytes under any TP.
 
-    Attributes
-    ----------
-    canonical_page_size_bytes : int
-        Size of the canonical page of this layer.
-    local_page_size_bytes : int
-        Size of this rank's (unpadded) page of this layer.
-    runs : tuple[CopyRun, ...]
-        Cover the whole local page exactly once, in both directions.
-    num_writers : int
-        Number of ranks holding these exact bytes (replicated heads or latents).
-    writer_index : int
-        This rank's index among them; writers take turns by page id so stores
-        of replicated bytes spread over all ranks that hold them.
-    parallelism_agnostic : bool
-        True when the canonical bytes are the same under any TP with this block
-        span (no context parallelism folded into the page).
-    derived_for : LayerSpec | None
-        The rank's page this mapping was derived for (dtype and element size,
-        packing, order, heads per rank, block size, head size). Every mapping
-        that ``layouts`` derives carries it, and ``canonical_ops.make_plan``
-        refuses a kv tensor that is not that page, so a mapping can never move
-        the bytes of a tensor it does not describe. None only for mappings built
-        by hand (e.g. from another program's runs): those are checked for fit alone.
-    fallback_reason : str | None
-        Why the layer is stored opaquely (the rank's page whole, readable by the
-        same topology only), or None for a certified mapping. An opaque mapping's
-        tensor must hold ``derived_for``'s dtype and exactly its page per block,
-        whatever its layout inside the block.
-
-    ``derived_for`` and ``fallback_reason`` describe the mapping; they take no
-    part in equality, so mappings compare by their bytes (as vLLM's do).
+    ``derived_for``: the rank's page it was derived for (every ``layouts`` mapping carries it,
+    and ``make_plan`` refuses a tensor that is not that page; None only for hand-built
+    mappings, checked for fit alone). ``fallback_reason``: why the layer is stored opaquely
+    (the rank's page whole, same topology only), or None. Neither takes part in equality:
+    mappings compare by their bytes, as vLLM's do.
     """
 
     canonical_page_size_bytes: int
@@ -123,22 +90,14 @@ class CanonicalPageMapping:
         return out
 
     def fragments(self) -> np.ndarray:
-        """Every fragment as an int64 array (n, 3) of (local_offset, canonical_offset, size).
-
-        Sorted by local offset; fragments adjacent in both pages are merged, so
-        a single-rank mapping is one row. The array is read-only and shared.
-        """
+        """Every fragment as a read-only, shared int64 array (n, 3) of (local_offset,
+        canonical_offset, size), sorted by local offset, those adjacent in both pages merged."""
         return self._fragments
 
 
 def coalesce_runs(runs: list[CopyRun] | tuple[CopyRun, ...]) -> tuple[CopyRun, ...]:
-    """Merge contiguous fragments within and across runs, in order.
-
-    A run whose fragments are back to back on both sides becomes one fragment,
-    and consecutive single-fragment runs adjacent on both sides merge. The
-    result is exactly what vLLM 0.33 stores in its mappings, so comparisons of
-    ``runs`` between the two are meaningful.
-    """
+    """Merge contiguous fragments within and across runs, in order: exactly what vLLM 0.33
+    stores in its mappings, so comparisons of ``runs`` between the two are meaningful."""
     out: list[CopyRun] = []
     for run in runs:
         if (

@@ -1,28 +1,8 @@
-"""Quantised KV: a layer's scales, and the canonical pages that carry them.
+"""Quantised KV: a layer's scales (:class:`KVScales`), and the canonical pages that carry them.
 
-A quantised layer (fp8 or int8 KV) is a normal layer whose dtype is 1 byte
-wide: its canonical page is derived exactly as a bf16 one, with 1-byte
-elements. What makes its bytes mean values is its scales, described by
-:class:`KVScales`:
-
-``"per-tensor"``
-    One K scale and one V scale for the whole layer, identical on every rank
-    (calibrated, from the checkpoint). They are not per block, so they travel
-    as values, not as pages: a store namespace records them exactly, and a
-    reader whose values differ is in another namespace (a miss).
-``"per-token-head"``
-    One K and one V scale per (token, head), held in a *companion* tensor of
-    the scale dtype next to the data: ``(num_blocks, 2, block_size, heads, 1)``
-    (``split``: K scales, then V scales) or ``(num_blocks, heads, block_size, 2)``
-    (``packed``: K and V scale adjacent), in the data's stride order. It is a
-    full-attention page of head size 1 (:meth:`KVScales.page_spec`), so it is
-    derived by the very same head-sharded token-row mapping as the data: a
-    reader at another TP gets exactly the scales of the heads it owns.
-    :func:`derive_scaled_group_mappings` certifies data and scales together.
-
-Scales *inside* the data page (``LayerSpec.per_token_head_scales``, vLLM's
-inline layout) stay uncertified: their placement is not described, so such a
-layer is stored opaquely, as vLLM 0.33 does.
+Per-tensor scales travel as values in the store namespace; per-token-head scales are a companion
+full-attention page of head size 1, derived by the same rules as the data. Scales inside the data
+page stay uncertified (stored opaquely, as vLLM 0.33 does).
 """
 
 from __future__ import annotations
@@ -69,23 +49,10 @@ def _scale_value(name: str, value: Any, dtype: str) -> float:
 
 @dataclass(frozen=True)
 class KVScales:
-    """How one quantised layer's KV is scaled (an unscaled layer has none).
-
-    Parameters
-    ----------
-    granularity : {"per-tensor", "per-token-head"}
-    dtype : {"float32", "float16"}
-        Dtype of the scales.
-    k_scale, v_scale : float, optional
-        Per-tensor only (required there): the layer's K and V scales, taken at
-        ``dtype``'s precision (rounded to it, as the engine stores them), so a
-        writer and a reader holding the same scale tensor always agree.
-    packing : {"split", "packed"}
-        Per-token-head only: the companion tensor's packing (see the module
-        docstring); its stride order is always the data's.
-
-    A bad field is a ValueError or TypeError naming it and the expected value.
-    """
+    """How one quantised layer's KV is scaled: ``granularity`` ("per-tensor" or "per-token-head")
+    and scale ``dtype`` ("float32" or "float16"); per-tensor: ``k_scale`` and ``v_scale``
+    (required, rounded to ``dtype`` as the engine stores them); per-token-head: the companion
+    tensor's ``packing`` (its stride order is the data's). A bad field raises naming it."""
 
     granularity: str
     dtype: str = "float32"
@@ -125,11 +92,8 @@ class KVScales:
         return self.granularity == "per-token-head"
 
     def page_spec(self, spec: LayerSpec) -> LayerSpec:
-        """The companion page of per-token-head scales of ``spec``'s data page (one rank's).
-
-        A full-attention page of head size 1 in the scale dtype: same block
-        size, heads per rank and stride order as the data, this ``packing``.
-        """
+        """The companion page of per-token-head scales of ``spec``'s data page (one rank's): full
+        attention, head size 1, the scale dtype, the data's block size, heads and stride order."""
         problem = scales_mismatch(spec, self)
         if problem is not None:
             raise ValueError(f"spec: {problem}")
@@ -180,15 +144,9 @@ def derive_scaled_group_mappings(
     *,
     layer_name: str = "<layer>",
 ) -> tuple[tuple[CanonicalPageMapping, ...], tuple[CanonicalPageMapping, ...] | None]:
-    """A quantised layer's ``(data_mappings, scale_mappings)``, each indexed by rank and
-    verified; ``scale_mappings`` is None for per-tensor scales.
-
-    The data is derived as any layer of its dtype. Per-token-head scales are
-    derived from :meth:`KVScales.page_spec` by the same rules, so the two
-    certify together (same heads, tokens and topology); should they ever
-    disagree, both fall back to opaque pages (a reader of the same topology
-    only) rather than pair certified data with scales in another place.
-    """
+    """A quantised layer's ``(data_mappings, scale_mappings)``, each indexed by rank and verified
+    (``scale_mappings``: None for per-tensor scales). Should data and scales certify apart, both
+    fall back to opaque pages rather than pair certified data with scales in another place."""
     problem = scales_mismatch(spec, scales)
     if problem is not None:
         raise ValueError(f"scales: cannot scale {layer_name}: {problem}")

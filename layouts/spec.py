@@ -1,9 +1,5 @@
 """Descriptions of one layer's KV page on one rank, and of that rank's place in its group.
-
-Pure data: nothing here imports torch. ``LayerSpec.from_tensor`` reads only
-``shape``, ``stride()`` (or numpy ``strides``) and ``dtype`` of the tensor it
-is given, so it works on torch tensors, numpy arrays and fake tensors alike.
-"""
+Pure data: nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -42,10 +38,8 @@ _ALIASES = {
 
 
 def dtype_name(dtype: Any) -> str:
-    """Canonical name of a dtype given as a string, a torch dtype or a numpy dtype.
-
-    ValueError if it is not one a KV cache is stored in.
-    """
+    """Canonical name of a dtype given as a string, a torch dtype or a numpy dtype; ValueError
+    if it is not one a KV cache is stored in."""
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
     elif type(dtype).__module__ == "torch":  # torch.dtype, without importing torch
@@ -86,35 +80,13 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer's KV page on ONE rank.
-
-    Parameters
-    ----------
-    attention : {"full", "mla"}
-        Full (K and V per head) or MLA (one TP-replicated latent per token).
-    block_size : int
-        Tokens per block on this rank.
-    num_kv_heads : int
-        KV heads held by this rank (1 for MLA).
-    head_size : int
-        Elements per head (for MLA, the latent width in elements).
-    dtype : str | torch.dtype | numpy dtype
-        Storage dtype; normalised to its name (e.g. ``"bfloat16"``).
-    packing : {"packed", "split"}
-        ``"packed"``: tensor (num_blocks, heads, block_size, 2*head_size), K and V
-        adjacent per (token, head). ``"split"``: (num_blocks, 2, block_size, heads,
-        head_size), K and V in separate page halves. MLA: ``"packed"`` only.
-    order : {"NHD", "HND"}
-        Stride order inside the page: token-major or head-major. MLA: ``"NHD"`` only
-        (its one layout; another spelling would name other bytes for the same page).
-    per_token_head_scales : bool
-        The page itself holds per-(token, head) quantisation scales (e.g. vLLM's
-        inline layout); such pages are never certified (where the scales sit is
-        not described). Scales in a companion tensor are certified instead:
-        :class:`layouts.KVScales`.
-    tokens_per_state : int | Fraction
-        Tokens covered by one stored state; anything but 1 is never certified.
-    """
+    """One layer's KV page on ONE rank: ``attention`` "full" (K and V per head) or "mla" (one
+    TP-replicated latent per token); ``block_size`` tokens; ``num_kv_heads`` on this rank (MLA:
+    1) of ``head_size`` elements (MLA: the latent width); storage ``dtype`` (normalised to its
+    name); ``packing`` "packed" (K and V adjacent per (token, head)) or "split" (K then V page
+    halves); stride ``order`` "NHD" (token-major) or "HND" (MLA: packed NHD only, its one
+    layout). Pages holding ``per_token_head_scales`` inside, or with ``tokens_per_state`` other
+    than 1, are never certified (companion scales are: :class:`layouts.KVScales`)."""
 
     attention: str
     block_size: int
@@ -184,16 +156,11 @@ class LayerSpec:
         per_token_head_scales: bool = False,
         tokens_per_state: int | Fraction = 1,
     ) -> LayerSpec | None:
-        """Recognise packing and order from a KV cache tensor's shape and strides.
-
-        Full attention: shape (num_blocks, heads, block_size, 2*head_size) is
-        ``packed`` and shape (num_blocks, 2, block_size, heads, head_size) is
-        ``split``; the strides then decide NHD (token-major) or HND (head-major),
-        with the last dim contiguous and no padding inside the page, as vLLM
-        recognises them. MLA: shape (num_blocks, block_size, head_size) with
-        contiguous rows, reported as packed NHD (one latent row per token). None when
-        the layout is not one of those (the caller must then not certify the layer).
-        """
+        """Recognise packing and order from a KV cache's shape and strides (reading only
+        ``shape``, ``stride()`` or numpy ``strides``, and ``dtype``), as vLLM does: ``packed``
+        (num_blocks, heads, block_size, 2*head_size), ``split`` (num_blocks, 2, block_size,
+        heads, head_size), MLA (num_blocks, block_size, head_size) as packed NHD; the last dim
+        contiguous, no padding. None for any other layout (then never certify the layer)."""
         shape = tuple(int(s) for s in kv_cache.shape)
         strides = _element_strides(kv_cache)[1:]  # in elements, without the block's
         bs, heads, hs, row = block_size, num_kv_heads, head_size, 2 * head_size
@@ -223,12 +190,9 @@ def _element_strides(tensor: Any) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RankContext:
-    """One rank's place in a TP x PCP worker group, with DCP inside TP.
-
-    Ranks are numbered ``pcp_rank * tp_size + tp_rank``; DCP shares the TP ranks
-    (``dcp_rank = tp_rank % dcp_size``). Context-parallel ranks own interleaved
-    chunks of ``interleave`` tokens of each offloaded block.
-    """
+    """One rank's place in a TP x PCP worker group (``rank = pcp_rank * tp_size + tp_rank``),
+    DCP inside TP (``dcp_rank = tp_rank % dcp_size``); context-parallel ranks own interleaved
+    chunks of ``interleave`` tokens of each offloaded block."""
 
     tp_size: int
     total_kv_heads: int

@@ -1,11 +1,6 @@
-"""Canonical units of per-request recurrent state (Mamba, gated delta net), format v1.
-
-A hybrid model keeps, besides paged KV, a fixed-size state per request and state layer (a
-conv window and an SSM / delta-rule matrix), stored as its own unit kind: one request's
-slot stands for one "block" of the state tensors. Segments of the conv channels ([x, B, C],
-[q, k, v], [x]) are sharded on their own, as vLLM 0.33 and SGLang shard them (Mamba2's one
-group replicated); the canonical unit is each segment unsharded, in order. What cannot be
-proven resharded falls back to each rank's slot whole (:func:`opaque_state_mappings`).
+"""Canonical units of per-request recurrent state (Mamba, gated delta net), format v1: each
+segment of the conv channels sharded on its own, as vLLM 0.33 and SGLang shard them, and stored
+unsharded in order; what cannot be proven resharded falls back to each rank's slot whole.
 """
 
 from __future__ import annotations
@@ -84,20 +79,9 @@ class StateSegment:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One state layer of a hybrid model, unsharded (what the model config says).
-
-    Build it with :meth:`mamba1`, :meth:`mamba2` or :meth:`gdn`.
-
-    Parameters
-    ----------
-    kind : {"mamba1", "mamba2", "gdn"}
-    dims : tuple[tuple[str, int], ...]
-        The kind's dims (model values, before TP), in the kind's order.
-    conv_dtype, ssm_dtype : str | torch.dtype | numpy dtype
-        Storage dtypes of the conv and the temporal state; normalised to names.
-    conv_layout : {"SD", "DS"}
-        Conv state per slot: ``(state_len, channels)`` or ``(channels, state_len)``.
-    """
+    """One state layer of a hybrid model, unsharded (build it with :meth:`mamba1`,
+    :meth:`mamba2` or :meth:`gdn`): the kind's ``dims`` (model values) in its order, the conv
+    and SSM storage dtypes and ``conv_layout`` "SD" ``(state_len, channels)`` or "DS"."""
 
     kind: str
     dims: tuple[tuple[str, int], ...]
@@ -316,13 +300,9 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class StateSegmentMapping:
-    """One segment's byte mapping for one rank.
-
-    ``mapping``'s local page is the rank's whole slot of state tensor ``tensor``
-    (its runs touch only this segment's bytes of it); its canonical page is the
-    segment's canonical area. A plan gets one entry per segment, each with the
-    tensor it reads and its own canonical area.
-    """
+    """One segment's byte mapping for one rank: the local page is the rank's whole slot of
+    state tensor ``tensor`` (the runs touch only this segment), the canonical page the
+    segment's canonical area (a plan gets one entry per segment)."""
 
     tensor: int
     name: str
@@ -427,11 +407,8 @@ def derive_state_mappings(
 def opaque_state_mappings(
     tensor_bytes: Sequence[int], num_ranks: int, rank: int, *, reason: str
 ) -> StateLayerMappings:
-    """Fallback: the rank's slot of every state tensor, whole, at ``rank * slot_bytes``.
-
-    One segment per tensor (``"conv.opaque"``, ``"ssm.opaque"``); the canonical
-    slot is ``num_ranks`` rank slots, readable only by the same topology.
-    """
+    """Fallback: the rank's slot of every state tensor whole at ``rank * slot_bytes``, one
+    segment per tensor (``"conv.opaque"``, ``"ssm.opaque"``); same topology only."""
     sizes = [_check_dim(f"tensor_bytes[{i}]", b, 0) for i, b in enumerate(tensor_bytes)]
     if not sizes:
         raise ValueError("tensor_bytes: expected one size per state tensor, got none")
@@ -457,13 +434,9 @@ def opaque_state_mappings(
 
 
 def verify_state_tiling(group: Sequence[StateLayerMappings], layer_name: str | None = None) -> None:
-    """Check a group's mappings (indexed by rank) of one state layer tile exactly.
-
-    Every rank's segments must cover each of its state tensors' slots exactly
-    once (a load restores the whole slot), and for every segment and page id
-    the elected writers must write each canonical byte exactly once. A ``TilingError``
-    names the layer, the segment or tensor, the byte range and the ranks.
-    """
+    """Check a group's mappings (by rank) of one state layer tile exactly: each rank's slots
+    covered once, each canonical byte written once per page id (``TilingError`` naming the
+    layer, the segment or tensor, the byte range and the ranks)."""
     if not group:
         raise TilingError(layer_name, "no mappings (expected one per rank)")
     names = [s.name for s in group[0].segments]
@@ -496,14 +469,9 @@ def derive_state_group_mappings(
     tensor_bytes: Sequence[int] | None = None,
     layer_name: str = "<state layer>",
 ) -> tuple[StateLayerMappings, ...]:
-    """One state layer's mappings for every rank of a ``tp_size * pcp_size`` group, verified.
-
-    Every rank certifies, or every rank gets :func:`opaque_state_mappings` with
-    ``tensor_bytes`` (each state tensor's bytes per slot on one rank; needed
-    only when the layer falls back, i.e. ``spec`` is None or refused).
-    Cached per (spec, topology). ValueError: a refused layer without ``tensor_bytes``
-    (saying why it is refused); TilingError: the mappings do not tile (a bug, never used).
-    """
+    """One state layer's mappings for every rank of a ``tp_size * pcp_size`` group, verified:
+    all certified (cached), or all :func:`opaque_state_mappings` of ``tensor_bytes`` (each state
+    tensor's bytes per slot; a refused layer without it is a ValueError saying why)."""
     if spec is not None and not isinstance(spec, StateSpec):
         raise TypeError(f"spec: expected a StateSpec or None, got {type(spec).__name__}")
     tp_size = _check_dim("tp_size", tp_size, 1)

@@ -1,11 +1,6 @@
-"""Exact-tiling verification of a group's canonical page mappings.
-
-Writers elected for a page must write each canonical byte exactly once (a gap
-would leave stale bytes for a reader, an overlap would race), and each rank's
-runs must cover its own local page exactly once (so a load restores the whole
-page). Done with numpy over coalesced fragments: fast enough to run for every
-layer at engine start.
-"""
+"""Exact-tiling verification of a group's canonical page mappings: a page's elected writers write
+each canonical byte exactly once (a gap leaves stale bytes, an overlap races) and each rank's runs
+cover its local page exactly once (a load restores it whole)."""
 
 from __future__ import annotations
 
@@ -63,11 +58,9 @@ def verify_writers(
     *,
     local: bool = False,
 ) -> None:
-    """The canonical side of :func:`verify_tiling` (and its local side when ``local``):
-    ranks agree on the canonical page size and writer count, and the writers elected for
-    every page id (0 .. num_writers-1 covers every rotation) write each canonical byte
-    exactly once. ``part``: which part of the layer (e.g. a state segment), named in the
-    error."""
+    """The canonical side of :func:`verify_tiling` (its local side too when ``local``): ranks
+    agree on page size and writer count, and every rotation's writers write each canonical byte
+    exactly once. ``part``: which part of the layer (e.g. a state segment) the error names."""
     prefix = f"{part}: " if part else ""
     if not mappings:
         raise TilingError(layer_name, f"{prefix}no mappings (expected one per rank)")

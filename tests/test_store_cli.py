@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -251,3 +252,28 @@ def test_group_shared_flag_walks_a_group_store(tmp_path, capsys) -> None:
     assert code == 1 and "unsafe" in out  # 0770 directories: not private
     code, out, _ = run(capsys, "verify", "--group-shared", str(tmp_path))
     assert code == 0 and "1 unit file(s) in 1 namespace(s) checked, 0 bad" in out
+
+
+def test_gc_never_unlinks_in_the_working_directory_when_a_directory_vanished(
+    root, tmp_path, monkeypatch, capsys
+) -> None:
+    """A unit's fan-out directory removed between gc's scan and its unlink (another gc, an
+    operator): the unlink must miss, not resolve the key directory against the cwd."""
+    from canonical_ops.units import cli
+
+    unit = unit_files(FileStore(root, NS))[0]
+    kd, name = os.path.basename(os.path.dirname(unit)), os.path.basename(unit)
+    decoy_dir = tmp_path / "cwd" / kd
+    decoy_dir.mkdir(parents=True, mode=0o700)
+    (decoy_dir / name).write_bytes(b"not a unit of the store")
+    monkeypatch.chdir(tmp_path / "cwd")
+    removed = cli._remove
+
+    def remove_after_the_fanout_vanished(entry, perms):
+        shutil.rmtree(os.path.dirname(os.path.dirname(unit)), ignore_errors=True)
+        return removed(entry, perms)
+
+    monkeypatch.setattr(cli, "_remove", remove_after_the_fanout_vanished)
+    code, _, _ = run(capsys, "gc", str(root), "--capacity", "0")
+    assert code == 0
+    assert (decoy_dir / name).read_bytes() == b"not a unit of the store"

@@ -131,8 +131,7 @@ class DemoConfig:
 
     @property
     def parallelism_agnostic(self) -> bool:
-        roles = ("writer", "reader")
-        return all(m.parallelism_agnostic for role in roles for m in self.mappings(role))
+        return all(m.parallelism_agnostic for r in ("writer", "reader") for m in self.mappings(r))
 
     def namespace(self, role: str):
         """The KV StoreNamespace an engine of ``role``'s topology builds from ALL layers
@@ -206,12 +205,26 @@ def build_config(args, device: str) -> DemoConfig:
     # --dtype of an unquantised type on an fp8 preset: a model without scales
     scales = preset.kv_scales if dtype in QUANTISED_KV_DTYPES else None
     cfg = DemoConfig(
-        preset.attention, args.layers or preset.layers, heads or preset.kv_heads,
-        preset.head_size, dtype, preset.block_size, args.packing, args.order, writer[0],
-        reader[0], prompt_blocks=-(-args.prompt_tokens // preset.block_size), device=device,
-        seed=args.seed, preset=args.preset, writer_pp=writer[1], reader_pp=reader[1],
-        model_name=args.model_name or "", model_revision=args.model_revision, kv_scales=scales,
-    )  # fmt: skip
+        preset.attention,
+        args.layers or preset.layers,
+        heads or preset.kv_heads,
+        preset.head_size,
+        dtype,
+        preset.block_size,
+        args.packing,
+        args.order,
+        writer[0],
+        reader[0],
+        prompt_blocks=-(-args.prompt_tokens // preset.block_size),
+        device=device,
+        seed=args.seed,
+        preset=args.preset,
+        writer_pp=writer[1],
+        reader_pp=reader[1],
+        model_name=args.model_name or "",
+        model_revision=args.model_revision,
+        kv_scales=scales,
+    )
     for flag, tp in (("--writer-tp", cfg.writer_tp), ("--reader-tp", cfg.reader_tp)):
         if (problem := cfg.topology_problem(tp)) is not None:
             raise UsageError(f"{flag} {tp}: {args.preset} cannot run there: {problem}")
@@ -309,10 +322,8 @@ def resolve_device(requested: str) -> str:
 
 def check_resources(cfg: DemoConfig, shm_dir: str = "/dev/shm", persistent: bool = False) -> None:
     """Refuse (UsageError) a run that cannot fit, before any O(pages) work: the regions in
-    ``shm_dir``'s free space (shared memory: the writers', which the readers attach;
-    persistent: one engine's at a time), the regions plus the larger group's caches, state
-    slots and transients (one layer's truth) in available memory (on CUDA the KV caches in
-    the GPU's). Disk space is not checked: a full store fails stores cleanly (counted)."""
+    ``shm_dir``'s free space, regions plus the larger group's tensors in available memory (on
+    CUDA the KV caches in the GPU's). Disk is not checked: a full store fails stores, counted."""
     hint = "use fewer --prompt-tokens" + ("" if cfg.kinds else " or --layers")
 
     def check(what: str, need: int, where: str, have: int | None, why: str = "") -> None:

@@ -1,7 +1,6 @@
-"""The engines: per pipeline stage a region of KV rows (and, for a hybrid model, one of
-request-state rows), each with its PageManager and, with --store, its StageCache; the writer
-and reader groups run against them. Both at once in shared memory, or a write engine and a
-read engine that share nothing but the store."""
+"""The engines: per pipeline stage a region of KV rows (hybrid: and one of request state), each
+with its PageManager and, with --store, its StageCache: both at once in shared memory, or a
+write engine and a read engine that share nothing but the store."""
 
 from __future__ import annotations
 
@@ -124,7 +123,8 @@ def engine(s: Session, role: str, tiers=None, extra: Sequence[int] = ()) -> Iter
     tiers' I/O drained, the regions closed (rank 0's close unlinks them), the tiers closed."""
     cfg, tp, blocks, stages = s.cfg, s.cfg.tp(role), s.cfg.prompt_blocks, []
     namespace = cfg.namespace(role) if tiers else None
-    try:
+    with contextlib.ExitStack() as closing:  # closed in reverse: caches, regions, the tiers
+        closing.callback(close_tiers, s, tiers or {}, "write" if role == "writer" else "read")
         for index, ((a0, a1), (s0, s1)) in enumerate(cfg.stage_parts(role)):
             stages.append(parts := [])
             args = dict(engine_id=f"demo-{s.run_id}-{role[0]}{index}", world_size=1 + tp)
@@ -138,7 +138,7 @@ def engine(s: Session, role: str, tiers=None, extra: Sequence[int] = ()) -> Iter
                 one["row_bytes"] = state_bytes(cfg, s0, s1)
                 parts.append(Part("state", s0, s1, s.hashes[-1:], [blocks - 1], one))
             for part in parts:
-                part.region = SharedOffloadRegion(**part.region_args, rank=0)
+                part.region = closing.enter_context(SharedOffloadRegion(**part.region_args, rank=0))
                 if part.kind == "kv":
                     groups = [cfg.mappings(role)] * (a1 - a0)
                     part.manager = PageManager.from_mappings(blocks, groups)
@@ -151,19 +151,8 @@ def engine(s: Session, role: str, tiers=None, extra: Sequence[int] = ()) -> Iter
                     names, opened = zip(*((name, tier) for name, _, tier in tiers[part.kind]))
                     span, manager = (part.first, part.end), part.manager
                     part.cache = StageCache(manager, part.region, span, units, opened, names=names)
+                    closing.callback(part.cache.close, s.timeout_s)
         yield stages
-    finally:
-        try:
-            for part in _all(stages):
-                try:
-                    if part.cache is not None:
-                        part.cache.close(s.timeout_s)
-                finally:
-                    part.cache = None
-                    if part.region is not None:
-                        part.region.close()
-        finally:
-            close_tiers(s, tiers or {}, "write" if role == "writer" else "read")
 
 
 def run_writers(s: Session, stages: Stages) -> tuple[GroupRun, int]:
@@ -310,20 +299,23 @@ def _fill(s: Session, stages: Stages, tiers: dict) -> dict:
         part.ready = part.manager.lookup(part.keys)
     seconds, kv = time.perf_counter() - start, _all(stages, "kv")
     counters = [t for part in kv for t in part.cache.metrics().tiers]  # pages filled, verified:
-    by_tier = {
-        name: sum(t.fills_ok for t in counters if t.name == name) for name, *_ in tiers["kv"]
-    }
+    by_tier = {n: sum(t.fills_ok for t in counters if t.name == n) for n, *_ in tiers["kv"]}
     sums = _tier_sums(kv, loaded="fills_ok", missed="fills_missed", failed="fills_failed")
     sums.update(_tier_sums(kv, refused="fills_refused", bytes="bytes_filled"))
     # unit_reads: units read and verified (a stage of another split reads each it overlaps).
     return dict(
-        pages_found=found, pages_filled=min(part.ready for part in kv),
-        pages_loaded_by_stages=sums["loaded"], pages_by_tier=by_tier,
+        pages_found=found,
+        pages_filled=min(part.ready for part in kv),
+        pages_loaded_by_stages=sums["loaded"],
+        pages_by_tier=by_tier,
         unit_reads=sum(getattr(tier.metrics(), "units_loaded", 0) for _, _, tier in tiers["kv"]),
-        units_missed=sums["missed"], units_failed=sums["failed"], units_refused=sums["refused"],
-        bytes=sums["bytes"], seconds=seconds,
+        units_missed=sums["missed"],
+        units_failed=sums["failed"],
+        units_refused=sums["refused"],
+        bytes=sums["bytes"],
+        seconds=seconds,
         gbps=sums["bytes"] / seconds / 1e9 if seconds > 0 and sums["bytes"] else None,
-    )  # fmt: skip
+    )
 
 
 def read_engine(s: Session, tiers: dict) -> dict:
@@ -337,8 +329,7 @@ def read_engine(s: Session, tiers: dict) -> dict:
         also = f"; the request's state: {units['units_filled']}/{len(state)} unit(s)"
         also = also if state else ""
         rate = f" at {filled['gbps']:.2f} GB/s" if filled["gbps"] else ""
-        counters = [t.metrics() for opened in tiers.values() for _, _, t in opened]
-        corrupt = sum(metrics.corrupt_detected for metrics in counters)
+        corrupt = sum(t.metrics().corrupt_detected for opened in tiers.values() for *_, t in opened)
         s.progress(
             f"fill: {filled['pages_found']}/{cfg.prompt_blocks} pages found in the store, "
             f"{loaded} filled from {filled['unit_reads']} verified unit reads "

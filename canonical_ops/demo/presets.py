@@ -1,8 +1,6 @@
 """Model shapes the demo runs (``--preset``): add a row to :data:`PRESETS` for a new one.
-
 Pure data (no torch). A hybrid preset names every layer's kind: ``"attn"`` (full attention
-of ``kv_heads`` x ``head_size``) or the key of one of its Mamba / GDN state specs.
-"""
+of ``kv_heads`` x ``head_size``) or the key of one of its Mamba / GDN state specs."""
 
 from __future__ import annotations
 
@@ -45,15 +43,25 @@ def _hybrid(pattern: tuple[str, ...], repeat: int, kv_heads: int, head: int, **s
 
 def _gdn(k_heads: int, v_heads: int, head: int, ssm_dtype: str) -> StateSpec:
     return StateSpec.gdn(
-        num_k_heads=k_heads, num_v_heads=v_heads, head_k_dim=head, head_v_dim=head,
-        conv_kernel=4, conv_dtype="bfloat16", ssm_dtype=ssm_dtype,
-    )  # fmt: skip
+        num_k_heads=k_heads,
+        num_v_heads=v_heads,
+        head_k_dim=head,
+        head_v_dim=head,
+        conv_kernel=4,
+        conv_dtype="bfloat16",
+        ssm_dtype=ssm_dtype,
+    )
 
 
 _MAMBA2 = StateSpec.mamba2(
-    num_heads=16, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, conv_dtype="bfloat16",
+    num_heads=16,
+    head_dim=8,
+    n_groups=1,
+    state_size=16,
+    conv_kernel=4,
+    conv_dtype="bfloat16",
     ssm_dtype="float32",
-)  # fmt: skip
+)
 
 _QWEN_GDN, _GDN = _gdn(16, 32, 128, "bfloat16"), _gdn(8, 16, 16, "float32")
 

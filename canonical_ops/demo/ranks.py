@@ -3,6 +3,7 @@ spawning them, their milestones as progress lines, what each reported."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 import traceback
@@ -80,10 +81,10 @@ def rank_main(role: str, cfg_dict: dict, index: int, task: RankTask, events) -> 
         tp, device, slot = cfg.tp(role), torch.device(cfg.device), 1 if writer else 0
         if device.type == "cuda":
             torch.cuda.set_device(0)
-        regions = []
-        try:
+        with contextlib.ExitStack() as closing:
+            regions = []
             for source in task.sources:
-                regions.append(SharedOffloadRegion(**source.region_args))
+                regions.append(closing.enter_context(SharedOffloadRegion(**source.region_args)))
             kv = truth.allocate_kv(cfg, tp, device, task.end - task.first)
             kv_workers, states = _workers(cfg, role, task, regions, kv)
             counts = {len(source.page_ids) for _, source in kv_workers}
@@ -116,9 +117,6 @@ def rank_main(role: str, cfg_dict: dict, index: int, task: RankTask, events) -> 
                 report["state_bytes_checked"] = sum(a.numel() for a, _ in state)
                 emit("verified")
             del kv_workers, states, kv, state
-        finally:
-            for region in regions:
-                region.close()
         emit("done", report)
     except BaseException:  # reported to the coordinator, which prints FAIL
         emit("error", traceback.format_exc())

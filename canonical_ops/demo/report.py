@@ -43,11 +43,9 @@ def _not_ready(cfg: DemoConfig, ready: int) -> list[str]:
 
 
 def verify(cfg: DemoConfig, writers, ready: int, readers, *, from_store=False) -> Verification:
-    """The verdict against the unsharded truth: every prompt page loaded by every reader,
-    every KV layer, block, token and head checked by some reader (and a hybrid model's
-    state by the readers of its stages), no byte different. ``ready``: the leading prompt
-    pages the readers were given (ready in the writers' regions or, ``from_store``, found
-    in the store and verified)."""
+    """The verdict against the unsharded truth: every prompt page loaded, every KV layer,
+    block, token and head (and a hybrid model's state) checked by some reader, no byte
+    different. ``ready``: the leading pages given to the readers (``from_store``: verified)."""
     total = cfg.prompt_blocks
     failures = _failed(writers) + ([] if from_store else _not_ready(cfg, ready))
     if from_store and ready < total:
@@ -78,14 +76,25 @@ def verify(cfg: DemoConfig, writers, ready: int, readers, *, from_store=False) -
         if fits:
             covered[layers].update(r["heads"])
         for bad, text in (
-            (kv and not fits, f" checked layers [{layers[0]}, {layers[1]}) ({r['layers']} layers) "
-             f"of {r['blocks']}/{r['pages']} loaded blocks; expected one of the stages {stages}"),
-            (kv and slots != [len(r["heads"])], f" holds {slots} head slots but {len(r['heads'])} "
-             "heads were checked"),
-            (wrong, f": layers {sorted(wrong)} differ from the unsharded truth ({sum(wrong.values())} bytes)"),
-            (r["state_bytes_wrong"], f": the request's state differs from the unsharded truth "
-             f"({r['state_bytes_wrong']} bytes)"),
-        ):  # fmt: skip
+            (
+                kv and not fits,
+                f" checked layers [{layers[0]}, {layers[1]}) ({r['layers']} layers) "
+                f"of {r['blocks']}/{r['pages']} loaded blocks; expected one of the stages {stages}",
+            ),
+            (
+                kv and slots != [len(r["heads"])],
+                f" holds {slots} head slots but {len(r['heads'])} heads were checked",
+            ),
+            (
+                wrong,
+                f": layers {sorted(wrong)} differ from the unsharded truth ({sum(wrong.values())} bytes)",
+            ),
+            (
+                r["state_bytes_wrong"],
+                f": the request's state differs from the unsharded truth "
+                f"({r['state_bytes_wrong']} bytes)",
+            ),
+        ):
             failures += [f"reader rank {index}{text}"] if bad else []
     heads = set(range(1 if cfg.attention == "mla" else cfg.total_kv_heads))
     for (first, end), held in covered.items() if readers.reports else ():
@@ -103,11 +112,14 @@ def _state(s: Session, result: dict) -> dict:
     reports = readers.reports.values() if readers else ()
     namespace = cfg.namespace("reader" if s.stores.phase == "read" else "writer").state_units()
     return dict(
-        layers=len(specs), kinds=sorted({spec.kind for spec in specs}),
-        unit_bytes=state_bytes(cfg, 0, len(specs)), namespace=namespace.hex, **result["state"],
+        layers=len(specs),
+        kinds=sorted({spec.kind for spec in specs}),
+        unit_bytes=state_bytes(cfg, 0, len(specs)),
+        namespace=namespace.hex,
+        **result["state"],
         bytes_checked=sum(r["state_bytes_checked"] for r in reports),
         bytes_wrong=sum(r["state_bytes_wrong"] for r in reports),
-    )  # fmt: skip
+    )
 
 
 def verdict(s: Session, result: dict, state: dict | None) -> Verification:
@@ -158,14 +170,12 @@ def summarize(s: Session, result: dict) -> dict:
     state = _state(s, result) if cfg.kinds else None
     v = verdict(s, result, state)
 
-    def mark(run: GroupRun | None, milestone: str) -> float | None:
-        return run.phase_seconds.get(milestone) if run else None
-
-    timings = dict(spawn_writers=mark(writers, "started"), store=mark(writers, "stored"))
+    w, r = (run.phase_seconds if run else {} for run in (writers, readers))  # milestone -> s
+    timings = dict(spawn_writers=w.get("started"), store=w.get("stored"))
     for key in ("persist", "fill") if stored else ():
         timings[key] = result[key]["seconds"] if result.get(key) else None
-    timings.update(spawn_readers=mark(readers, "started"), load=mark(readers, "loaded"))
-    timings.update(verify=mark(readers, "verified"), total=s.progress.elapsed())
+    timings.update(spawn_readers=r.get("started"), load=r.get("loaded"), verify=r.get("verified"))
+    timings["total"] = s.progress.elapsed()
     phase = s.stores.phase if stored else "both"
     roles = {"write": ("writer",), "read": ("reader",)}.get(phase, ("writer", "reader"))
     topology = {}
@@ -178,14 +188,25 @@ def summarize(s: Session, result: dict) -> dict:
     model = dict(preset=cfg.preset, name=cfg.identity().name, revision=cfg.model_revision)
     model.update({key.replace("total_", ""): getattr(cfg, key) for key in MODEL})
     summary = dict(
-        verdict="FAIL" if v.failures else "PASS", failures=v.failures,
-        phase=phase if stored else "shared-memory", pages_total=cfg.prompt_blocks,
-        pages_ready=result.get("ready"), pages_loaded=v.pages_loaded, pages_missed=v.pages_missed,
-        corrupt_detected=sum(t["corrupt_detected"] for t in tiers), bytes_wrong=v.bytes_wrong,
-        bytes_checked=v.bytes_checked, model=model, topology=topology,
-        prompt_tokens=cfg.prompt_tokens, region_bytes=region_bytes(cfg), seed=cfg.seed,
-        store=transfer_stats(writers), load=transfer_stats(readers), timings_s=timings,
-    )  # fmt: skip
+        verdict="FAIL" if v.failures else "PASS",
+        failures=v.failures,
+        phase=phase if stored else "shared-memory",
+        pages_total=cfg.prompt_blocks,
+        pages_ready=result.get("ready"),
+        pages_loaded=v.pages_loaded,
+        pages_missed=v.pages_missed,
+        corrupt_detected=sum(t["corrupt_detected"] for t in tiers),
+        bytes_wrong=v.bytes_wrong,
+        bytes_checked=v.bytes_checked,
+        model=model,
+        topology=topology,
+        prompt_tokens=cfg.prompt_tokens,
+        region_bytes=region_bytes(cfg),
+        seed=cfg.seed,
+        store=transfer_stats(writers),
+        load=transfer_stats(readers),
+        timings_s=timings,
+    )
     if stored:
         summary["namespace"] = cfg.namespace("reader" if phase == "read" else "writer").hex
         summary["stores"] = [redact(location) for location in s.stores.locations]
@@ -230,10 +251,14 @@ def print_result(summary: dict, out: TextIO, err: TextIO) -> None:
 def print_header(s: Session, out: TextIO) -> None:
     """The model, both topologies, the prompt and regions, the store, who writes page 0."""
     cfg, phase = s.cfg, s.stores.phase if s.stores.enabled else "both"
-    model = PRESETS[cfg.preset].describe() if cfg.kinds else (
-        f"{cfg.attention} attention, {cfg.layers} layers, {cfg.total_kv_heads} KV heads x "
-        f"{cfg.head_size}, {cfg.dtype}, block {cfg.block_size}, {cfg.packing} {cfg.order}"
-    )  # fmt: skip
+    model = (
+        PRESETS[cfg.preset].describe()
+        if cfg.kinds
+        else (
+            f"{cfg.attention} attention, {cfg.layers} layers, {cfg.total_kv_heads} KV heads x "
+            f"{cfg.head_size}, {cfg.dtype}, block {cfg.block_size}, {cfg.packing} {cfg.order}"
+        )
+    )
 
     def shape(role: str) -> str:
         stages = cfg.stages(role)

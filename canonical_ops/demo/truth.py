@@ -40,14 +40,11 @@ def truth_layer(cfg: DemoConfig, layer: int, num_blocks: int | None = None):
     """The unsharded KV of the prompt's first ``num_blocks`` blocks of KV layer ``layer``,
     as bits: (blocks, tokens, heads, 2 * head_size), K then V; MLA (blocks, tokens, latent).
     A block's KV depends on (seed, layer, block) alone, as a real model's on its prefix."""
-    bits = _bits_dtype(cfg)
-    blocks = cfg.prompt_blocks if num_blocks is None else num_blocks
-    if cfg.attention == "mla":
-        shape = (cfg.block_size, cfg.head_size)
-    else:
+    bits, blocks = _bits_dtype(cfg), cfg.prompt_blocks if num_blocks is None else num_blocks
+    shape = (cfg.block_size, cfg.head_size)  # MLA: the latent
+    if cfg.attention != "mla":
         shape = (cfg.block_size, cfg.total_kv_heads, 2 * cfg.head_size)
-    info = torch.iinfo(bits)
-    low, high = (0, 256) if bits == torch.uint8 else (info.min, info.max)
+    low, high = (0, 256) if bits == torch.uint8 else (torch.iinfo(bits).min, torch.iinfo(bits).max)
     truth = torch.empty((blocks, *shape), dtype=bits)
     gen = torch.Generator()
     for block in range(blocks):
@@ -72,15 +69,8 @@ def allocate_kv(cfg: DemoConfig, tp: int, device, num_layers: int | None = None)
     return [torch.zeros(physical, dtype=bits, device=device).permute(order) for _ in range(layers)]
 
 
-def to_cache_blocks(cfg: DemoConfig, logical):
-    """(blocks, tokens, heads, 2 * hs) -> the cache's logical block shape (full attention)."""
-    if cfg.packing == "packed":
-        return logical.permute(0, 2, 1, 3)  # (blocks, heads, tokens, 2 * hs)
-    return torch.stack(logical.split(cfg.head_size, dim=-1), dim=1)  # (blocks, 2, t, h, hs)
-
-
 def from_cache_blocks(cfg: DemoConfig, blocks):
-    """Inverse of :func:`to_cache_blocks`: cache blocks -> (blocks, tokens, heads, 2 * hs)."""
+    """Inverse of :func:`shard_of`'s reshape: cache blocks -> (blocks, tokens, heads, 2 * hs)."""
     if cfg.attention == "mla":
         return blocks
     if cfg.packing == "packed":
@@ -90,8 +80,12 @@ def from_cache_blocks(cfg: DemoConfig, blocks):
 
 def shard_of(cfg: DemoConfig, truth, tp: int, rank: int):
     """This rank's logical view of the truth: its KV heads, shaped like its cache blocks."""
-    mla = cfg.attention == "mla"
-    return truth if mla else to_cache_blocks(cfg, truth[:, :, cfg.global_heads(tp, rank)])
+    if cfg.attention == "mla":
+        return truth
+    logical = truth[:, :, cfg.global_heads(tp, rank)]  # (blocks, tokens, heads, 2 * hs)
+    if cfg.packing == "packed":
+        return logical.permute(0, 2, 1, 3)  # (blocks, heads, tokens, 2 * hs)
+    return torch.stack(logical.split(cfg.head_size, dim=-1), dim=1)  # (blocks, 2, t, h, hs)
 
 
 def compare_with_truth(cfg: DemoConfig, tp: int, rank: int, kv: Sequence, blocks, first=0) -> dict:
@@ -110,10 +104,15 @@ def compare_with_truth(cfg: DemoConfig, tp: int, rank: int, kv: Sequence, blocks
         elif n := int((got.contiguous().view(torch.uint8) != expected.view(torch.uint8)).sum()):
             wrong[layer] = n
     return dict(
-        first_layer=first, end_layer=first + len(kv), layers=len(kv),
-        blocks=len(blocks), heads=heads, local_head_slots=sorted(slots), bytes_checked=checked,
+        first_layer=first,
+        end_layer=first + len(kv),
+        layers=len(kv),
+        blocks=len(blocks),
+        heads=heads,
+        local_head_slots=sorted(slots),
+        bytes_checked=checked,
         bytes_wrong_by_layer=wrong,
-    )  # fmt: skip
+    )
 
 
 def block_table(cfg: DemoConfig, salt: int):
@@ -143,6 +142,4 @@ def state_pairs(cfg: DemoConfig, tp: int, rank: int, states, slot: int) -> list:
 def state_slots(cfg: DemoConfig, tp: int, first: int, end: int) -> list:
     """A rank's state tensors of state layers ``[first, end)``: (conv, ssm), two slots each."""
     pairs = [zip(spec.local_shapes(tp), spec.dtypes) for spec in cfg.state_specs()[first:end]]
-    return [
-        tuple(torch.zeros((2, *shape), dtype=getattr(torch, d)) for shape, d in p) for p in pairs
-    ]
+    return [tuple(torch.zeros((2, *s), dtype=getattr(torch, d)) for s, d in p) for p in pairs]

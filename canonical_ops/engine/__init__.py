@@ -1,12 +1,7 @@
-"""The standalone engine: what a multi-process demo or a small custom engine needs.
-
-:class:`SharedOffloadRegion` (``region``: one /dev/shm region of canonical rows per engine and
-pipeline stage, created by rank 0), :class:`OffloadWorker` (``worker``: one per rank, one op
-call per store or load), :class:`PageManager` (``pages``: block hash -> page, readiness once
-every elected writer reported, LRU, pins, fills), :class:`StageCache` (``cache``: a stage's
-pages backed by unit stores) and ``hybrid`` (the state side of attention + Mamba / GDN
-models). vLLM needs none of this. Imports are lazy: the extension loads on first use.
-"""
+"""The standalone engine (a multi-process demo or a small custom engine; vLLM needs none of it):
+``region`` (/dev/shm rows per engine and stage), ``worker`` (one per rank, one op call per
+store or load), ``pages`` (block hash -> page, readiness, LRU, pins, fills), ``cache`` (a
+stage's pages backed by unit stores), ``hybrid`` (the state side). Imports are lazy."""
 
 from __future__ import annotations
 

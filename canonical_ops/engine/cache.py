@@ -1,10 +1,9 @@
 """Scheduler side of one pipeline stage: its region's pages first, then persistent tiers.
 
-:class:`StageCache` drives unit stores (FileStore, RedisStore) for a stage's layers, a region
-row being exactly the stage's unit: one batch job per tier and call, so nothing waits for
-I/O unless given a timeout; a fill is ready only once its unit was read and verified (a bad
-unit is a miss), and a failing tier is counted and skipped. One scheduler thread drives it.
-"""
+:class:`StageCache` drives unit stores (FileStore, RedisStore), a region row being exactly the
+stage's unit: one batch job per tier and call, nothing waits unless given a timeout, a fill is
+ready only once its unit was verified (a bad one is a miss), a failing tier is counted and
+skipped. One scheduler thread drives it."""
 
 from __future__ import annotations
 
@@ -257,10 +256,9 @@ class StageCache:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, hashes: Sequence[Hashable], *, timeout: float | None = 0.0) -> TierLookup:
-        """Leading blocks ready in the region, then how many more the tiers hold: each round
-        asks every tier at once, the nearest with an answer supplies that run, and the next
-        round asks from there. ``pending`` until they answered (``timeout``: seconds to wait,
-        None: until then); a tier whose lookup fails holds nothing."""
+        """Leading blocks ready in the region, then how many more the tiers hold (each round asks
+        every tier, the nearest holding the next block supplies its run, a failing tier holds
+        nothing). ``pending`` until they answered (``timeout``: seconds, None: until then)."""
         self._check_open()
         hashes = self._hashes(hashes)
         deadline = self._deadline(timeout)
@@ -544,16 +542,12 @@ class StageCache:
     def metrics(self) -> StageCacheMetrics:
         """This stage's counters, per tier (each tier's own: ``tier.metrics()``)."""
         fills = sum(len(f.ops) for f in self._flights if f.kind == "fill")
-        tiers = tuple(
-            TierCounters(name, **counts) for name, counts in zip(self.names, self._counts)
-        )
+        tiers = tuple(TierCounters(n, **counts) for n, counts in zip(self.names, self._counts))
         lookups = map(int, self._lookup_counts)  # the lookup, region hit, tier hit, miss blocks
-        layers = (self.first, self.end)
-        return StageCacheMetrics(layers, *lookups, fills, self.in_flight - fills, tiers)
+        layers, stores = (self.first, self.end), self.in_flight - fills
+        return StageCacheMetrics(layers, *lookups, fills, stores, tiers)
 
 
 # A status other than "ok" -> the counter it bumps ("expired": past the tier's deadline).
-_FAILURES = {("fill", s): "fills_missed" for s in ("miss", "corrupt", "expired")}
-_FAILURES.update(
-    {(k, s): f"{k}s_refused" for k in ("fill", "store") for s in ("refused", "cancelled")}
-)
+_FAILURES = {(k, s): f"{k}s_refused" for k in ("fill", "store") for s in ("refused", "cancelled")}
+_FAILURES.update({("fill", s): "fills_missed" for s in ("miss", "corrupt", "expired")})

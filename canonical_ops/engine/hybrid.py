@@ -1,9 +1,7 @@
-"""Hybrid models (attention + Mamba / GDN state) without vLLM: the state side.
-
-Each state layer keeps one state per request, stored as a *state unit* per (prefix key,
-pipeline stage): the canonical slot (:mod:`layouts.state`) of each of the stage's state
-layers, under ``namespace.state_units()``; a StageCache moves them as it moves KV units.
-"""
+"""Hybrid models (attention + Mamba / GDN state) without vLLM: the state side. A request's
+state is one *state unit* per (prefix key, pipeline stage): the canonical slot
+(:mod:`layouts.state`) of each of the stage's state layers, under ``namespace.state_units()``;
+a StageCache moves them as it moves KV units."""
 
 from __future__ import annotations
 
@@ -194,21 +192,17 @@ class StateWorker:
                 f"slots of these {len(self.mappings)} state layers), got {rows.size(1)}"
             )
         self.rows = rows
-        tensors, mappings, offsets, position = [], [], [], 0
+        self._tensors, mappings, offsets, position = [], [], [], 0
         for layer, pair in zip(self.mappings, self.state_caches):
             for segment, area in zip(layer.segments, layer.area_offsets):
-                tensors.append(pair[segment.tensor])
+                self._tensors.append(pair[segment.tensor])
                 mappings.append(segment.mapping)
                 offsets.append(position + area)
             position += layer.canonical_bytes
-        self._tensors = tensors
-        self.plan = make_plan(mappings, tensors, rows, area_offsets=offsets)
+        self.plan = make_plan(mappings, self._tensors, rows, area_offsets=offsets)
         # State layer -> why it is stored opaquely (only the same topology reads it).
-        self.fallback_reasons = {
-            i: layer.fallback_reason
-            for i, layer in enumerate(self.mappings)
-            if layer.fallback_reason is not None
-        }
+        reasons = enumerate(layer.fallback_reason for layer in self.mappings)
+        self.fallback_reasons = {i: why for i, why in reasons if why is not None}
 
     def _check_layer(
         self, index: int, spec: StateSpec | None, pair: Sequence[torch.Tensor]

@@ -1,12 +1,10 @@
 """Scheduler-side bookkeeping of canonical pages: block hash -> page, readiness, LRU, pins.
 
 A page goes ``free -> pending -> ready``: ready once every elected writer rank reported its
-store (a canonical page is assembled from several ranks' bytes), or, for a page *filled* by
-a tier (``allocate(..., filler=)``), once the tier's job verified its unit. A report names
-the generation (bumped by every allocation) it stored, so a late report of an abandoned
-store never counts. Unpinned ready pages are evicted least recently used first, a prefix's
-tail before its head. Pure Python and thread-safe.
-"""
+store, or for a page *filled* by a tier (``allocate(..., filler=)``) once its unit verified.
+A report names the generation (bumped by every allocation) it stored: an abandoned store's
+late report never counts. Least recently used first eviction, a prefix's tail before its
+head. Pure Python and thread-safe (design: docs/design.md)."""
 
 from __future__ import annotations
 
@@ -60,7 +58,6 @@ class _Pending:
 
 class PageManager:
     """Maps block hashes to canonical pages ``0 .. num_pages - 1`` and tracks their state.
-
     ``writer_ranks(page_id)``: the ranks (of ``range(num_ranks)``) that must all report a
     store of the page before it is ready; default every rank (see :meth:`from_mappings`).
     Methods are atomic and leave the manager unchanged when they raise."""

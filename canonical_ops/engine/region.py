@@ -1,12 +1,7 @@
-"""One /dev/shm region of canonical rows, shared by every rank (process) of a node.
-
-Rank 0 creates ``<shm_dir>/canonical-kv-<engine id>`` (0600, after a free-space check), maps,
-prefaults and (with CUDA) pins it, then marks it ready. Every other rank waits for it,
-refuses anything but a private regular file of this user with the same geometry, maps and
-pins it, and counts itself in; the rank completing the count unlinks the file, and so does
-rank 0's close, so a crash leaks nothing. A crashed run's file is replaced by the next
-rank 0. Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``.
-"""
+"""One /dev/shm region of canonical rows, shared by every rank (process) of a node: rank 0
+creates ``<shm_dir>/canonical-kv-<engine id>``, the others attach; the rank completing the
+count of attached ranks unlinks it, and so does rank 0's close (protocol: docs/design.md).
+Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``."""
 
 from __future__ import annotations
 
@@ -111,16 +106,14 @@ def _open_shm_dir(path: str) -> int:
 
 
 class SharedOffloadRegion:
-    """A ``(num_rows, row_bytes)`` uint8 CPU region shared by the ranks of a node.
-
-    Every rank passes the same ``engine_id`` and geometry; rank 0 must hold the region until
-    every rank attached, the others wait for it up to ``attach_timeout_s`` (rank 0's
-    prefault and pin time). ``pin``: ``cudaHostRegister`` it (None: with CUDA; set the
-    device first). ``free_bytes``: free space of ``shm_dir`` to assume (tests). Errors:
-    RegionSpaceError, TimeoutError, FileExistsError (rank 0: the id is in use by a live
-    process), PermissionError (a symlink, FIFO, a file that is not this user's private
-    regular file, or an unsafe ``shm_dir``), ValueError (arguments, geometry, format).
-    """
+    """A ``(num_rows, row_bytes)`` uint8 CPU region shared by the ranks of a node. Every rank
+    passes the same ``engine_id`` and geometry; rank 0 must hold the region until every rank
+    attached, the others wait for it up to ``attach_timeout_s`` (rank 0's prefault and pin
+    time). ``pin``: ``cudaHostRegister`` it (None: with CUDA; set the device first).
+    ``free_bytes``: free space of ``shm_dir`` to assume (tests). Errors: RegionSpaceError,
+    TimeoutError, FileExistsError (rank 0: the id is in use by a live process),
+    PermissionError (a symlink, FIFO, not this user's private regular file, or an unsafe
+    ``shm_dir``), ValueError (arguments, geometry, format)."""
 
     #: Seconds between polls while waiting for rank 0 or a lock.
     poll_interval_s: float = 0.01
@@ -223,10 +216,8 @@ class SharedOffloadRegion:
         try:
             os.fchmod(fd, 0o600)
             self._check_space()
-            header = _Header(
-                self.num_rows, self.row_bytes, self.world_size, this_process(), self._digest,
-                bytearray(self.world_size),
-            )  # fmt: skip
+            geometry = (self.num_rows, self.row_bytes, self.world_size)
+            header = _Header(*geometry, this_process(), self._digest, bytearray(self.world_size))
             header.write(fd)
             os.ftruncate(fd, self.size_bytes)
             self._map(creator=True)
@@ -410,8 +401,7 @@ class SharedOffloadRegion:
     # ------------------------------------------------------------------ memory
 
     def _map(self, *, creator: bool) -> None:
-        mm = mmap.mmap(self._fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._mmap = mm
+        self._mmap = mm = mmap.mmap(self._fd, self.size_bytes)  # shared, read and write
         # Before the first fault: a TP rank's fragments are scattered over the rows, and
         # 2 MiB pages save a page walk per fragment where shmem_enabled allows them.
         with contextlib.suppress(OSError, ValueError):

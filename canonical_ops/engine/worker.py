@@ -143,25 +143,21 @@ class OffloadWorker:
     """Stores and loads this rank's KV blocks to/from canonical pages.
 
     ``kv_caches``: one tensor per layer (leading dim = blocks; CPU or one CUDA device), laid
-    out exactly as its ``specs`` entry says (:func:`spec_mismatch`; None: an unrecognised
-    layout, stored opaquely). Kept: every call refuses a replaced entry of :attr:`kv_caches`
-    or a tensor whose dtype, shape or strides changed. ``ctx``: this rank in the TP x PCP
-    group. ``cpu_pages``: uint8 ``(num_rows, row_bytes)`` (or a region's ``.tensor``) shared
-    by the group, pinned for CUDA, ``pages_per_row`` canonical pages of each layer per row;
-    rows are exactly :attr:`row_bytes` unless ``area_offsets`` places each plan entry's area
-    (rows laid out by another topology; areas must not overlap). ``layer_names``: named in
-    tiling errors. ``scales``: each layer's ``layouts.KVScales`` or None; ``scale_caches``:
-    each per-token-head scaled layer's scale tensor (exactly ``scales[l].page_spec(specs[l])``,
-    as many blocks as the data), None elsewhere, kept and checked as ``kv_caches``. A row
-    holds a layer's data page, then its scale page; per-tensor scales move no bytes.
+    out exactly as its ``specs`` entry says (None: unrecognised, stored opaquely); every call
+    refuses a replaced entry or a changed dtype, shape or strides. ``ctx``: this rank in the
+    TP x PCP group. ``cpu_pages``: uint8 ``(num_rows, row_bytes)`` (or a region) shared by the
+    group, pinned for CUDA, ``pages_per_row`` pages of each layer per row, rows of exactly
+    :attr:`row_bytes` unless ``area_offsets`` places each plan entry's area (rows of another
+    topology; areas must not overlap). ``layer_names``: named in tiling errors. ``scales``:
+    each layer's ``layouts.KVScales`` or None (per-tensor scales move no bytes);
+    ``scale_caches``: each per-token-head scaled layer's scale tensor (exactly
+    ``scales[l].page_spec(specs[l])``, as many blocks as the data), None elsewhere, checked as
+    ``kv_caches``; its scale page follows the layer's data page in a row.
 
-    Attributes: ``plan_entries`` (layer, "kv" | "scales") in row order; ``mappings`` /
-    ``group_mappings`` (this rank's / every rank's mapping of each entry);
-    ``fallback_reasons`` (opaque layers, readable by this topology only, and why);
-    ``format_id`` (``"v1-nhd"`` / ``"v1-hnd"``; None: mixed orders or no spec);
-    ``storage_namespace`` (what to key persisted pages by, with the model's identity: the
-    format id when every layer is certified, else with the topology and a digest of the
-    opaque pages appended); ``row_bytes`` and ``area_offsets`` (this worker's areas).
+    Attributes: ``plan_entries``, ``mappings`` / ``group_mappings`` (this rank's / every
+    rank's, per entry), ``fallback_reasons`` (opaque layers and why), ``format_id``
+    (``"v1-nhd"`` / ``"v1-hnd"``; None: mixed or no spec), ``storage_namespace`` (``format_id``
+    when every layer is certified, else with the topology and an opaque-page digest appended).
     """
 
     def __init__(
@@ -189,17 +185,13 @@ class OffloadWorker:
         # What every call checks: the very tensors (and layouts) the plan was built for.
         held = {"kv_caches": self.kv_caches, "scale_caches": self.scale_caches}
         self._held = {name: (tuple(ts), _layout(ts)) for name, ts in held.items()}
-        self.plan_entries: list[tuple[int, str]] = []
-        entry_specs: list[LayerSpec | None] = []
-        self._plan_tensors: list[torch.Tensor] = []
-        for layer, (kv, spec) in enumerate(zip(self.kv_caches, specs)):
-            self.plan_entries.append((layer, "kv"))
-            entry_specs.append(spec)
-            self._plan_tensors.append(kv)
-            if scale_pages[layer] is not None:
-                self.plan_entries.append((layer, "scales"))
-                entry_specs.append(scale_pages[layer])
-                self._plan_tensors.append(self.scale_caches[layer])
+        # Plan entries (layer, "kv" | "scales") in row order: a layer's data, then its scales.
+        entries = []
+        for layer, (kv, spec, page) in enumerate(zip(self.kv_caches, specs, scale_pages)):
+            entries.append(((layer, "kv"), spec, kv))
+            if page is not None:
+                entries.append(((layer, "scales"), page, self.scale_caches[layer]))
+        self.plan_entries, entry_specs, self._plan_tensors = map(list, zip(*entries))
         self.ctx = ctx
         self.region = cpu_pages if not isinstance(cpu_pages, torch.Tensor) else None
         self.cpu_pages = cpu_pages if isinstance(cpu_pages, torch.Tensor) else cpu_pages.tensor
@@ -290,17 +282,15 @@ class OffloadWorker:
 
     # Tensor-level calls: what a model step would call; traceable by torch.compile.
     def store_tensors(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Launch the store of blocks ``block_ids`` into pages ``page_ids`` on the current
-        stream (keyword-only, like :meth:`store`)."""
-        self._check_kv_caches()
-        op = torch.ops.canonical.canonical_store
-        op(self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids)
+        """Launch the store of blocks ``block_ids`` into pages ``page_ids`` on the current stream."""
+        self._launch(torch.ops.canonical.canonical_store, block_ids, page_ids)
 
     def load_tensors(self, *, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Launch the load of pages ``page_ids`` into blocks ``block_ids`` on the current
-        stream (keyword-only, like :meth:`load`)."""
+        """Launch the load of pages ``page_ids`` into blocks ``block_ids`` on the current stream."""
+        self._launch(torch.ops.canonical.canonical_load, block_ids, page_ids)
+
+    def _launch(self, op, block_ids: torch.Tensor, page_ids: torch.Tensor) -> None:
         self._check_kv_caches()
-        op = torch.ops.canonical.canonical_load
         op(self._plan_tensors, self.cpu_pages, self.plan, block_ids, page_ids)
 
     def _submit(self, kind: str, block_ids, page_ids) -> TransferJob:

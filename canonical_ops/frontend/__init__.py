@@ -1,9 +1,5 @@
-"""Old import paths of round 3 (``canonical_ops.frontend...``), kept working.
-
-The standalone engine moved to :mod:`canonical_ops.engine`, the unit store to
-:mod:`canonical_ops.units` and the demo to :mod:`canonical_ops.demo`. Importing an old
-path gives the new module itself (one module object under two names) and warns once,
-naming the replacement.
+"""Old import paths of round 3 (``canonical_ops.frontend...``), kept working: importing one
+gives the moved module itself (one module object under two names) and warns once, naming it.
 """
 
 from __future__ import annotations
@@ -30,34 +26,25 @@ MOVED = {
 
 def replacement(old: str) -> str | None:
     """The module that replaces ``canonical_ops.frontend.<old>`` (None: no such module)."""
-    if old in MOVED:
-        return MOVED[old]
-    head, _, tail = old.rpartition(".")
-    while head:
-        if head in MOVED:
-            return f"{MOVED[head]}.{old[len(head) + 1 :]}"
-        head, _, _ = head.rpartition(".")
-    return f"{MOVED[tail]}" if tail in MOVED else None
+    parts = old.split(".")
+    for count in range(len(parts), 0, -1):  # the longest moved prefix, then the last name
+        if (head := ".".join(parts[:count])) in MOVED:
+            return ".".join([MOVED[head], *parts[count:]])
+    return MOVED.get(parts[-1])
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     prefix = __name__ + "."
 
     def find_spec(self, fullname, path=None, target=None):
-        if not fullname.startswith(self.prefix):
-            return None
-        new = replacement(fullname[len(self.prefix) :])
-        if new is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, loader_state=new)
+        old = fullname.removeprefix(self.prefix)
+        new = None if old == fullname else replacement(old)
+        return new and importlib.machinery.ModuleSpec(fullname, self, loader_state=new)
 
     def create_module(self, spec):
         new = spec.loader_state
-        warnings.warn(
-            f"{spec.name} moved to {new}; import it from there",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+        message = f"{spec.name} moved to {new}; import it from there"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
         module = importlib.import_module(new)
         spec.loader_state = (new, module.__spec__)
         return module
@@ -73,6 +60,4 @@ if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
 from .._lazy import lazy_exports  # noqa: E402
 from ..engine import __all__  # noqa: E402  (the old package's names, resolved lazily)
 
-__getattr__, __dir__ = lazy_exports(
-    __name__, globals(), dict.fromkeys(__all__, "canonical_ops.engine")
-)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), dict.fromkeys(__all__, "..engine"))

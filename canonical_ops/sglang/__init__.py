@@ -1,13 +1,6 @@
-"""SGLang HiCache L3 storage backend in canonical-kv units (README "SGLang HiCache backend").
-
-SGLang 0.5.x loads it with ``--hicache-storage-backend dynamic`` and
-``--hicache-storage-backend-extra-config '{"backend_name": "canonical", "module_path":
-"canonical_ops.sglang", "class_name": "CanonicalHiCacheStorage", "interface_v1": 1, "store":
-"/var/cache/ckv"}'``. Pages become the units every engine of the package reads, at any TP.
-Modules: :mod:`.pages` (pages <-> unit bytes through the plan and the CPU kernel),
-:mod:`.staging` (a unit assembled from the TP ranks' shares), :mod:`.key_index` (SGLang page
-hash -> canonical key), :mod:`.backend`. Importing it imports neither SGLang nor the extension.
-"""
+"""SGLang HiCache L3 storage backend in canonical-kv units (README "SGLang HiCache backend"):
+SGLang 0.5.x loads it with ``--hicache-storage-backend dynamic``. Importing it imports neither
+SGLang nor the extension."""
 
 from .backend import (
     CONFIG_KEYS,
@@ -20,19 +13,9 @@ from .key_index import TokenKeyIndex, install_hash_observer
 from .pages import HostPageCodec, PageTransfer
 from .staging import FragmentStaging
 
-__all__ = [
-    "CONFIG_KEYS",
-    "FP8_FORMATS",
-    "BackendSetupError",
-    "CanonicalHiCacheStorage",
-    "CanonicalStorageCore",
-    "FragmentStaging",
-    "HostPageCodec",
-    "PageTransfer",
-    "TokenKeyIndex",
-    "install_hash_observer",
-    "storage_class",
-]
+__all__ = ["CONFIG_KEYS", "FP8_FORMATS", "BackendSetupError", "CanonicalHiCacheStorage"]
+__all__ += ["CanonicalStorageCore", "FragmentStaging", "HostPageCodec", "PageTransfer"]
+__all__ += ["TokenKeyIndex", "install_hash_observer", "storage_class"]
 
 
 def __getattr__(name: str):

@@ -1,12 +1,6 @@
-"""The SGLang HiCache L3 storage backend over canonical-kv's unit stores.
-
-:func:`storage_class` builds ``CanonicalHiCacheStorage`` (a subclass of SGLang's
-``HiCacheStorage``). A unit is one page of tokens, layers ``[start_layer, end_layer)`` of
-the pool (the PP stage), every layer's whole canonical page, keyed by the page's token
-chain (:mod:`.key_index`), under a namespace of the model, KV quantisation and geometry:
-the same units the standalone engine and the vLLM tiers read, at any TP. Configuration:
-SGLang's ``--hicache-storage-backend-extra-config`` JSON (:data:`CONFIG_KEYS`).
-"""
+"""The SGLang HiCache L3 storage backend over canonical-kv's unit stores: a unit is one page of
+tokens, the PP stage's layers, every layer's whole canonical page, keyed by the page's token chain
+(:mod:`.key_index`). Configuration: the ``--hicache-storage-backend-extra-config`` JSON."""
 
 from __future__ import annotations
 
@@ -24,13 +18,8 @@ from .key_index import TokenKeyIndex, install_hash_observer
 from .pages import HostPageCodec, PageTransfer
 from .staging import FragmentStaging, default_staging_dir
 
-__all__ = [
-    "CONFIG_KEYS",
-    "FP8_FORMATS",
-    "BackendSetupError",
-    "CanonicalStorageCore",
-    "storage_class",
-]
+__all__ = ["CONFIG_KEYS", "FP8_FORMATS", "BackendSetupError", "CanonicalStorageCore"]
+__all__ += ["storage_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +90,8 @@ _REFUSED = {
 
 
 class CanonicalStorageCore:
-    """Everything the backend does, without SGLang's base class (see the module docstring).
-
-    ``storage_config``: SGLang's ``HiCacheStorageConfig`` of this rank.
-    """
+    """Everything the backend does, without SGLang's base class, for this rank's
+    ``storage_config`` (SGLang's ``HiCacheStorageConfig``)."""
 
     def __init__(self, storage_config: Any) -> None:
         cfg = self.config = _config(storage_config)
@@ -245,11 +232,8 @@ class CanonicalStorageCore:
         return done
 
     def store_pages(self, keys: Sequence[str], pages: Sequence[Any], positions: Sequence[int]):
-        """Store this rank's share of each page; a unit is published once it is whole.
-
-        True for a page whose unit is stored, whose share is staged, or whose bytes another
-        rank writes; False for an unknown key or a failed write.
-        """
+        """Store this rank's share of each page (a unit is published once whole): True for a
+        page stored, staged or written by another rank; False for an unknown key or a failure."""
         ckeys = [self._index().canonical(key) for key in keys]
         results = [key is not None for key in ckeys]
         if self.stores is None:
@@ -326,11 +310,8 @@ def storage_class() -> type:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     class CanonicalHiCacheStorage(HiCacheStorage):
-        """SGLang HiCache L3 storage in canonical-kv units (see :mod:`canonical_ops.sglang`).
-
-        Made by SGLang's storage factory (``--hicache-storage-backend dynamic``); the host
-        pool arrives through ``register_mem_pool_host``.
-        """
+        """SGLang HiCache L3 storage in canonical-kv units (see :mod:`canonical_ops.sglang`);
+        the host pool arrives through ``register_mem_pool_host``."""
 
         def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
             self.core = CanonicalStorageCore(storage_config)

@@ -1,13 +1,6 @@
-"""SGLang page hash -> canonical store key: a local index fed by SGLang's own hashing.
-
-SGLang's storage calls carry only its page hashes, never the token ids; the store is keyed
-by :mod:`canonical_ops.units.token_keys`, the chain every engine can compute. So
-:func:`install_hash_observer` wraps ``sglang.srt.mem_cache.utils.get_hash_str`` (every
-storage hash of SGLang 0.5.x goes through it) and records, for each chain SGLang hashes,
-``SGLang hash -> canonical key`` of the same tokens in every live :class:`TokenKeyIndex`.
-Fail closed: a hash never seen (hashed before the backend was attached, salted, multimodal)
-has no canonical key, so it is a miss and never stored; it never maps to another prefix.
-"""
+"""SGLang page hash -> canonical store key: a local index fed by wrapping SGLang's own
+``get_hash_str`` (its storage calls carry only page hashes). Fail closed: a hash never seen has
+no canonical key, so it is a miss and never stored; it never maps to another prefix."""
 
 from __future__ import annotations
 

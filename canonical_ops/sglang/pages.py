@@ -1,12 +1,6 @@
-"""SGLang host KV pages <-> canonical unit bytes, through one plan per rank and the CPU kernel.
-
-An SGLang host pool holds, per TP rank, every layer of its pipeline stage for ``page_size``
-tokens per page: MHA K then V rows ``[page, heads, dim]`` (a ``split`` ``NHD`` page in
-``layouts`` terms), MLA one latent row ``[page, width]`` per token (an ``mla`` page), ordered
-in memory by the pool's ``layout``. :meth:`HostPageCodec.layer_view` views a page of any layout
-as ``(layers, *block)``; :class:`PageTransfer` moves such blocks to and from unit rows with
-``canonical_ops.make_plan`` (built once) and ``canonical_ops.store`` / ``load``.
-"""
+"""SGLang host KV pages <-> canonical unit bytes, through one plan per rank and the CPU kernel:
+a host page of any pool ``layout`` is viewed as ``(layers, *block)`` (MHA: a ``split NHD`` page,
+MLA: an ``mla`` one) and moved to and from unit rows by ``canonical_ops.store`` / ``load``."""
 
 from __future__ import annotations
 
@@ -118,13 +112,9 @@ class HostPageCodec:
 
 
 class PageTransfer:
-    """Scratch blocks, unit rows and one plan per rank: host pages <-> canonical units.
-
-    ``blocks`` holds ``batch + 1`` pages in the spec's layout (the last, :attr:`spare`, for
-    another rank's share) and ``rows`` ``batch`` unit payloads of layers ``[first, end)`` of
-    ``namespace``. The plans of ``ranks`` are built here, once. Not thread-safe: hold
-    :attr:`lock` while using it.
-    """
+    """Scratch ``blocks`` (``batch`` + :attr:`spare` for another rank's share), unit ``rows``
+    of layers ``[first, end)`` and the plans of ``ranks``, built once: host pages <-> canonical
+    units. Not thread-safe: hold :attr:`lock` while using it."""
 
     def __init__(
         self, codec: HostPageCodec, namespace: Any, first: int, end: int, ranks: Sequence[int]

@@ -1,15 +1,6 @@
-"""Assembling a unit from the shares of several TP ranks: fragment units in a private store.
-
-A unit is one page's WHOLE canonical pages, but an SGLang rank holds only its heads and
-runs its storage calls in its own process. So each elected writer rank stores its share
-(its local pages of the stage's layers, as :class:`.pages.PageTransfer` blocks hold them)
-as a *fragment unit*: the one unit format, in a :class:`~canonical_ops.units.FileStore` of
-a fragment namespace (the unit namespace and the TP size; the rank is in the key) under a
-staging directory private to the user. The rank that then finds every writer's fragment
-loads them (verified by the store: a bad or foreign one is a miss, never assembled),
-places them with the kernel and publishes the unit through the real store (first writer
-wins). Everything on disk is the FileStore's: format, checks, atomic publish, safe walking.
-"""
+"""Assembling a unit from the shares of several TP ranks: each writer rank stores its share as
+a *fragment unit* in a private :class:`~canonical_ops.units.FileStore`; the rank that finds every
+share loads them (verified), places them with the kernel and publishes the unit."""
 
 from __future__ import annotations
 

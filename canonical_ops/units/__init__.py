@@ -40,20 +40,40 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .redis_store import RedisStore, RedisStoreError, RedisStoreMetrics
 
 # The Redis tier loads redis-py on first use only: a file store needs no Redis client.
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    globals(),
-    dict.fromkeys(
-        ("RedisStore", "RedisStoreError", "RedisStoreMetrics"),
-        ".redis_store",
-    ),
-)
+_REDIS = dict.fromkeys(("RedisStore", "RedisStoreError", "RedisStoreMetrics"), ".redis_store")
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _REDIS)
 
 __all__ = [
-    "CorruptUnit", "FileStore", "GcReport", "IOJob", "JobOutcome", "JobPool", "LayerGeometry",
-    "LoadItem", "ModelIdentity", "PageTier", "PayloadVerifier", "PoolStats", "RedisStore",
-    "RedisStoreError", "RedisStoreMetrics", "StoreItem", "StoreMetrics", "StoreNamespace",
-    "StoreRootError", "StoreSecret", "TierBase", "TierMetrics", "UnitHeader", "UnitStore",
-    "current_job", "decode_and_verify", "decode_header", "encode_header", "encode_unit",
-    "header_length", "normalize_key", "verify_payload",
-]  # fmt: skip
+    "CorruptUnit",
+    "FileStore",
+    "GcReport",
+    "IOJob",
+    "JobOutcome",
+    "JobPool",
+    "LayerGeometry",
+    "LoadItem",
+    "ModelIdentity",
+    "PageTier",
+    "PayloadVerifier",
+    "PoolStats",
+    "RedisStore",
+    "RedisStoreError",
+    "RedisStoreMetrics",
+    "StoreItem",
+    "StoreMetrics",
+    "StoreNamespace",
+    "StoreRootError",
+    "StoreSecret",
+    "TierBase",
+    "TierMetrics",
+    "UnitHeader",
+    "UnitStore",
+    "current_job",
+    "decode_and_verify",
+    "decode_header",
+    "encode_header",
+    "encode_unit",
+    "header_length",
+    "normalize_key",
+    "verify_payload",
+]

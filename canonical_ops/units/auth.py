@@ -48,8 +48,7 @@ class StoreSecret:
                 f"key: expected {_MIN_KEY_BYTES} to {_MAX_KEY_BYTES} bytes, got {len(key)}"
             )
         self._key = bytes(key)
-        digest = hmac.digest(self._key, b"canonical-kv.store-key-id.v1", "sha256")
-        self.key_id = digest[:16].hex()
+        self.key_id = hmac.digest(self._key, b"canonical-kv.store-key-id.v1", "sha256")[:16].hex()
 
     def mac(self) -> _Tag:
         """A fresh HMAC-SHA256-128 hasher: ``update(data)``, ``digest()`` (16 bytes)."""

@@ -32,8 +32,14 @@ from .unit import CorruptUnit, peek_header
 from .unitfile import Found, check_unit, iter_units
 
 __all__ = [
-    "main", "parse_size", "print_gc", "print_stats", "print_verify", "read_namespace", "stats_item",
-]  # fmt: skip
+    "main",
+    "parse_size",
+    "print_gc",
+    "print_stats",
+    "print_verify",
+    "read_namespace",
+    "stats_item",
+]
 
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
 MAX_DESCRIPTION = 16 << 20  # a namespace description is a few KiB; bound what is read
@@ -199,9 +205,8 @@ def _namespaces(target: str, perms: Perms) -> Iterator[list[_Ns]]:
             out.append(_Ns(path, name, fd, namespace, problem))
         yield out
     finally:
-        for ns in out:
-            if ns.fd is not None:
-                os.close(ns.fd)
+        for fd in (ns.fd for ns in out if ns.fd is not None):
+            os.close(fd)
         os.close(root)
 
 
@@ -233,11 +238,9 @@ def _stats(target: str, perms: Perms, as_json: bool) -> int:
                     st = os.stat(found.name, dir_fd=found.dir_fd, follow_symlinks=False)
                     if not found.problem:
                         units.append((found.kd, found.first, found.end, st.st_size))
-            counts = {"temp_files": _count(ns, TMP_DIR)}
-            counts["quarantined_files"] = _count(ns, QUARANTINE_DIR)
-            items.append(
-                stats_item(ns.hex, ns.namespace, ns.problem, units, path=ns.path, **counts)
-            )
+            files = {"temp_files": _count(ns, TMP_DIR)}
+            files["quarantined_files"] = _count(ns, QUARANTINE_DIR)
+            items.append(stats_item(ns.hex, ns.namespace, ns.problem, units, path=ns.path, **files))
     return print_stats({"directory": target}, items, as_json)
 
 
@@ -284,12 +287,10 @@ def _entries(ns: _Ns, perms: Perms) -> list[Entry]:
                     position = peek_header(os.pread(fd, 1120, 0)).position
                 except CorruptUnit:
                     position = 0  # `store verify` reports it; gc only needs an order
-            last = max(st.st_atime_ns, st.st_mtime_ns)
-            where = (ns, _path(ns, found), found.kd)
-            kd = f"{ns.hex}/{found.kd}"  # one order over every namespace
-            entries.append(
-                Entry(b"", kd, found.first, found.end, st.st_size, position, last, where)
-            )
+            # "<namespace>/<kd>": one eviction order over every namespace
+            unit = (f"{ns.hex}/{found.kd}", found.first, found.end, st.st_size, position)
+            last, where = max(st.st_atime_ns, st.st_mtime_ns), (ns, _path(ns, found), found.kd)
+            entries.append(Entry(b"", *unit, last, where))
     return entries
 
 
@@ -355,10 +356,9 @@ def _capacity(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``store`` with ``argv`` (without the ``store`` word); returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(argv)  # None: sys.argv[1:]
         if args.command is None:
             parser.fail("expected a command: stats, verify or gc")
         if "://" in args.target and args.target.split("://")[0].lower() in REDIS_SCHEMES:

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
-
 from .. import _unitio
 from ..checks import check_int, check_seconds
 from . import fsutil, unitfile
 from .fsutil import Dirs, Perms, StoreRootError, UnsafePath, open_file
+from .geometry import check_bool, check_type
 from .jobs import JobOutcome, JobPool, current_job
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy
@@ -138,15 +137,9 @@ class FileStore(UnitStore):
     ) -> None:
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"root: expected a path (str or os.PathLike), got {root!r}")
-        if not isinstance(namespace, StoreNamespace):
-            raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
-        for name, flag in (
-            ("fsync", fsync),
-            ("direct_io", direct_io),
-            ("group_shared", group_shared),
-        ):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name}: expected a bool, got {flag!r}")
+        check_type("namespace", namespace, StoreNamespace)
+        fsync, direct_io = check_bool("fsync", fsync), check_bool("direct_io", direct_io)
+        group_shared = check_bool("group_shared", group_shared)
         if capacity_bytes is not None:
             capacity_bytes = check_int("capacity_bytes", capacity_bytes, minimum=0)
         self.stale_tmp_s = check_seconds("stale_tmp_s", stale_tmp_s)
@@ -154,34 +147,30 @@ class FileStore(UnitStore):
         self._policy = LruPolicy(check_seconds("recency_granularity_s", recency_granularity_s))
         threads, queue_depth, deadline_s = self._pool_args(pool, threads, queue_depth, deadline_s)
         self.namespace = namespace if secret is None else namespace.authenticated(secret)
-        self.capacity_bytes, self.fsync = capacity_bytes, bool(fsync)
+        self.capacity_bytes, self.fsync = capacity_bytes, fsync
         self.root = os.path.abspath(os.fspath(root))
         self.directory = os.path.join(self.root, self.namespace.hex)
-        self._perms = Perms(bool(group_shared))
-        self._init_base()
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._perms = Perms(group_shared)
+        self._init_base(_COUNTERS)
         self._reserved, self._running, self._described = 0, 0, False
         self._removed: list[tuple[bytes, int, int]] = []
-        try:
+        try:  # a root that cannot be opened, or written (the probe)
             root_fd = fsutil.open_root(self.root, self._perms)
+            try:
+                self.direct_io = fsutil.probe(root_fd, direct_io)
+            except BaseException:
+                os.close(root_fd)
+                raise
         except OSError as error:
             raise StoreRootError(error.errno, f"root: {error.strerror}: {self.root!r}") from None
         self._dirs = Dirs(root_fd, self.directory, self.namespace.hex, self._perms, self.fsync)
         try:
-            try:
-                self.direct_io = fsutil.probe(root_fd, bool(direct_io))
-            except OSError as error:
-                raise StoreRootError(
-                    error.errno, f"root: {error.strerror}: {self.root!r}"
-                ) from None
             if self._dirs.get("ns") is not None:
                 self._rescan()
         except BaseException:
             self._close_resources()
             raise
         self._attach_pool(pool, threads, queue_depth, "ckv-files", deadline_s)
-
-    # ------------------------------------------------------------------ directories
 
     def _close_resources(self) -> None:
         """Close the directories once no job runs (a job abandoned past its deadline may never
@@ -225,11 +214,8 @@ class FileStore(UnitStore):
         tmp = self._dirs.get("tmp")
         removed = 0 if tmp is None else fsutil.clean_temps(tmp, self.stale_tmp_s)
         corrupt, start = self._counts["corrupt_detected"], time.time_ns()
-        found = [
-            e
-            for f in iter_units(self._dirs.get("ns"), self._perms)
-            if not f.problem and (e := self._index_file(f))
-        ]
+        units = iter_units(self._dirs.get("ns"), self._perms)
+        found = [e for f in units if not f.problem and (e := self._index_file(f))]
         with self._lock:
             seen = {e.ident for e in found}  # units stored meanwhile: the scan may miss them
             found += [e for e in self._policy if e.last_used >= start and e.ident not in seen]
@@ -242,8 +228,7 @@ class FileStore(UnitStore):
     def _refresh_key(self, kd: str) -> None:
         """Index the units of ``kd`` other processes wrote (one directory listing)."""
         with contextlib.suppress(OSError):
-            fd = self._dirs.keydir(kd)
-            if fd is None:
+            if (fd := self._dirs.keydir(kd)) is None:
                 return
             try:
                 known = self._policy.ranges(kd)
@@ -272,17 +257,14 @@ class FileStore(UnitStore):
             for kd in reversed(digests[:found]):
                 for entry in cover(kd, first, end) or ():
                     self._policy.touch(entry, now)
-            self._counts["lookup_blocks"] += len(digests)
-            self._counts["lookup_hit_blocks"] += found
+        self._count("lookup_blocks", len(digests), lookup_hit_blocks=found)
         return found
 
-    # ------------------------------------------------------------------ native batches
+    # ------------------------------------------------------------------ store
 
     def _hook(self) -> Callable[[str, str, int], None] | None:
         hook, top = _test_hook, self.directory
         return hook and (lambda stage, rel, n: hook(stage, f"{top}/{rel}", n))
-
-    # ------------------------------------------------------------------ store
 
     @_running(lambda reqs, *_: [_CLOSED] * len(reqs))
     def _store_units(self, reqs: list[StoreReq], attempt: int = 0) -> list[JobOutcome]:
@@ -315,9 +297,16 @@ class FileStore(UnitStore):
         direct = self.direct_io  # O_DIRECT writes of a whole unit (up to a bounce) at once
         try:
             results = _unitio.store(
-                current_job()._state, items, self._perms.native(), tmp, fsutil.temp_prefix(),
-                _BOUNCE_BYTES if direct else _IO_CHUNK_BYTES, self.fsync, direct, self._hook(),
-            )  # fmt: skip
+                current_job()._state,
+                items,
+                self._perms.native(),
+                tmp,
+                fsutil.temp_prefix(),
+                _BOUNCE_BYTES if direct else _IO_CHUNK_BYTES,
+                self.fsync,
+                direct,
+                self._hook(),
+            )
             for i, result in zip(batch, results):
                 out[i] = self._stored(reqs[i], result)
         finally:  # written: a batch larger than the room there was loses its oldest tails
@@ -336,9 +325,7 @@ class FileStore(UnitStore):
         if status == _unitio.OK:
             size = header_length(req.raw_key) + len(req.payload)
             self._add(Entry(req.raw_key, *ident, size, req.position, time.time_ns()))
-            with self._lock:
-                self._counts["units_stored"] += 1
-                self._counts["bytes_stored"] += len(req.payload)
+            self._count("units_stored", bytes_stored=len(req.payload))
             return JobOutcome("ok", nbytes=len(req.payload))
         if status in (_unitio.LOST, _unitio.EXISTS):  # index (check) what is there
             self._drop(ident)
@@ -384,14 +371,13 @@ class FileStore(UnitStore):
         """Drop a unit from the index and the disk; whether its file was there."""
         self._drop((kd, first, end))
         with contextlib.suppress(OSError):
-            keydir = self._dirs.keydir(kd)
-            if keydir is not None:
+            if (keydir := self._dirs.keydir(kd)) is not None:
                 try:
                     os.unlink(f"{first}-{end}.ckv", dir_fd=keydir)
                 finally:
                     os.close(keydir)
                 with contextlib.suppress(OSError):  # unless not empty
-                    os.rmdir(kd, dir_fd=self._dirs.get(kd[:2]))
+                    os.rmdir(kd, dir_fd=self._dirs.fan(kd))  # -1: EBADF
                 return True
         return False
 
@@ -459,19 +445,24 @@ class FileStore(UnitStore):
             units = collections.Counter(i for i, _ in plan)
             for i in units.keys() - retry:
                 if out[i] is None:
-                    with self._lock:
-                        self._counts["hits"] += 1
-                        self._counts["units_loaded"] += units[i]
-                        self._counts["bytes_loaded"] += len(reqs[i].dest)
+                    self._count("hits", units_loaded=units[i], bytes_loaded=len(reqs[i].dest))
                     out[i] = JobOutcome("ok", nbytes=len(reqs[i].dest), detail="; ".join(why[i]))
             todo = sorted(retry)
         return out
 
     def _native_load(self, items: list[tuple]) -> list[tuple]:
         return _unitio.load(
-            current_job()._state, items, self._perms.native(), _PIECE_BYTES, _BOUNCE_BYTES,
-            _NOWAIT, self.direct_io, time.time_ns(), self._policy.granularity_ns, self._hook(),
-        )  # fmt: skip
+            current_job()._state,
+            items,
+            self._perms.native(),
+            _PIECE_BYTES,
+            _BOUNCE_BYTES,
+            _NOWAIT,
+            self.direct_io,
+            time.time_ns(),
+            self._policy.granularity_ns,
+            self._hook(),
+        )
 
     def _loaded(self, req: LoadReq, entry: Entry, result: tuple) -> str:
         """ "" when ``entry`` was read and verified; else why not (a bad unit quarantined).
@@ -498,9 +489,7 @@ class FileStore(UnitStore):
         self._quarantine(found, (dev, ino) if corrupt else None, reason, key)
         return f"{'corrupt' if corrupt else 'unsafe'}: {reason}"
 
-    def _quarantine(
-        self, found: Found, ident: tuple[int, int] | None, reason: str, key: bytes = b""
-    ) -> None:
+    def _quarantine(self, found: Found, ident: tuple | None, reason: str, key: bytes = b"") -> None:
         """Move a bad unit out of the way (or remove it), only if its name still names it
         (the file ``ident``, (st_dev, st_ino), when known); ``found.dir_fd`` -1: open it."""
         with self._lock:

@@ -1,11 +1,10 @@
 """Directories and files that no symlink, FIFO or other local user can turn against us.
 
 Below the operator's root every path component is opened relative to its parent's
-descriptor with ``O_NOFOLLOW`` (``openat``), and every directory is checked before use:
-owned by this user (or, with ``group_shared``, by one of its groups) and writable by no
-one else. Files are opened ``O_NONBLOCK`` and checked to be regular by ``fstat`` before a
-byte is read, so a FIFO never blocks. What the package creates is private (0700 / 0600)
-unless the store is group-shared (0770 / 0660).
+descriptor with ``O_NOFOLLOW`` (``openat``) and every directory checked before use: owned by
+this user (or, ``group_shared``, one of its groups) and writable by no one else. Files are
+opened ``O_NONBLOCK`` and checked regular by ``fstat`` before a byte is read (a FIFO never
+blocks). What the package creates is 0700 / 0600 (group-shared: 0770 / 0660).
 """
 
 from __future__ import annotations
@@ -24,9 +23,18 @@ from .jobs import current_job
 from .liveness import process_alive, this_process
 
 __all__ = [
-    "Dirs", "Perms", "StoreRootError", "UnsafePath", "clean_temps", "open_dir", "open_file",
-    "open_root", "probe", "replace_file", "temp_prefix",
-]  # fmt: skip
+    "Dirs",
+    "Perms",
+    "StoreRootError",
+    "UnsafePath",
+    "clean_temps",
+    "open_dir",
+    "open_file",
+    "open_root",
+    "probe",
+    "replace_file",
+    "temp_prefix",
+]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -123,7 +131,7 @@ def probe(root: int, direct: bool) -> bool:
 
 
 def open_dir(
-    parent: int,
+    parent: int | None,
     name: str,
     perms: Perms,
     *,
@@ -132,7 +140,10 @@ def open_dir(
     what: str = "",
 ) -> int | None:
     """Directory ``name`` of ``parent`` (a descriptor), never through a symlink, checked;
-    None when missing, unless ``create`` (then ``sync`` makes the new entry durable)."""
+    None when missing (or ``parent`` is: never the working directory), unless ``create``
+    (then ``sync`` makes the new entry durable)."""
+    if parent is None:
+        return None
     what, created = what or name, False
     try:
         try:
@@ -184,7 +195,7 @@ class Dirs:
             try:
                 fd = open_dir(parent, sub, self.perms, create=create, sync=self.sync, what=what)
             except UnsafePath as error:
-                raise StoreRootError(error.errno, str(error)) from None
+                raise StoreRootError(error.errno, error.strerror) from None
             if fd is not None:
                 self._fds[name] = fd
             return fd
@@ -229,15 +240,9 @@ def open_file(parent: int, name: str, flags: int = os.O_RDONLY) -> tuple[int, os
 
 
 def replace_file(parent: int, name: str, data: bytes, *, tmp: int, perms: Perms) -> bool:
-    """Atomically make ``name`` in directory ``parent`` hold ``data`` (a small file such as
-    ``namespace.json``, whatever was there: a FIFO or link too); False if not done.
-
-    The bytes go to a temp file in ``tmp`` (same file system; its name says who writes it,
-    for :func:`clean_temps`), synced, then renamed to ``name``, and ``parent`` synced: the
-    name only ever holds a whole file. Inside a job the rename is claimed (:mod:`.jobs`):
-    an expired job replaces nothing. Units are published by :mod:`canonical_ops._unitio`
-    (first writer wins). Descriptors only: nothing follows a symlink.
-    """
+    """Atomically make ``name`` in ``parent`` hold ``data`` (a small file such as
+    ``namespace.json``; a FIFO or link there too): a synced temp in ``tmp`` renamed over it
+    under the job's claim, so it only ever holds a whole file. False if not done (expired)."""
     temp = f"{temp_prefix()}{secrets.token_hex(8)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, perms.file_mode, dir_fd=tmp)

@@ -79,11 +79,15 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
-def _flag(obj: Any, name: str) -> None:
-    value = getattr(obj, name)
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` (a Python or numpy bool) as a bool, else ``TypeError`` naming ``name``."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {value!r}")
-    object.__setattr__(obj, name, bool(value))
+    return bool(value)
+
+
+def _flag(obj: Any, name: str) -> None:
+    object.__setattr__(obj, name, check_bool(name, getattr(obj, name)))
 
 
 def _check_topology(obj: Any, names: tuple[str, ...], what: str) -> None:
@@ -265,10 +269,20 @@ class LayerGeometry:
         heads = 1 if spec.attention == "mla" else ctx.total_kv_heads
         tokens = spec.block_size * ctx.cp_size
         return cls(
-            spec.attention, heads, spec.head_size, spec.dtype, spec.packing, spec.order, tokens,
-            size, spec.per_token_head_scales, str(Fraction(spec.tokens_per_state)), not certified,
-            None if certified else topology, scales,
-        )  # fmt: skip
+            spec.attention,
+            heads,
+            spec.head_size,
+            spec.dtype,
+            spec.packing,
+            spec.order,
+            tokens,
+            size,
+            spec.per_token_head_scales,
+            str(Fraction(spec.tokens_per_state)),
+            not certified,
+            None if certified else topology,
+            scales,
+        )
 
     @classmethod
     def opaque_from_bytes(
@@ -428,14 +442,12 @@ class StateGeometry:
         if not self.opaque or here == self.topology:
             return None
         tp, dcp, pcp = self.topology
-        return StateReshardError(
-            layer,
-            self.kind,
-            self.reason,
+        message = (
             f"state layer {layer} ({self.kind}) cannot be resharded: {self.reason}; its units "
             f"are readable only at tp={tp}, dcp={dcp}, pcp={pcp}, not at tp={here[0]}, "
-            f"dcp={here[1]}, pcp={here[2]}",
+            f"dcp={here[1]}, pcp={here[2]}"
         )
+        return StateReshardError(layer, self.kind, self.reason, message)
 
 
 def _sum_sizes(tensor_bytes: Sequence[int]) -> int:

@@ -1,18 +1,12 @@
 """A bounded I/O job pool with deadlines, shared by the unit stores (files, Redis).
 
-The engine's thread submits and polls; worker threads do the I/O. :meth:`JobPool.submit`
-never blocks: a full queue gives a job already finished ``"refused"`` (back-pressure).
-Finished jobs are collected by :meth:`JobPool.poll` or :meth:`JobPool.wait`; a work
-function's exception becomes the job's ``error``, never the caller's.
-
-Statuses: ``queued``, ``running``; then ``ok`` (a load's destination holds verified
-bytes), ``miss`` (nothing usable), ``corrupt``, ``error`` (``error`` holds the exception),
-``refused`` (queue full or pool closed), ``cancelled`` (dropped by ``close(cancel=True)``)
-or ``expired``: the job ran past the pool's ``deadline_s``. Its thread is then abandoned
-(its late result dropped) and replaced, so a stuck syscall never pins the pool. A work
-function calls ``current_job().claim()`` right before it writes caller memory or
-publishes, and does bounded work until ``release()``: an expired job never writes (claim
-and expiry swap one native state word, so GIL-free I/O in ``_unitio`` claims too).
+The engine's thread submits (never blocking: a full queue gives a finished ``"refused"``
+job) and polls; worker threads do the I/O, a work function's exception becoming the job's
+``error``. Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
+``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
+abandoned and replaced). A work function calls ``current_job().claim()`` right before it
+writes caller memory or publishes, and does bounded work until ``release()``: an expired
+job never writes (claim and expiry swap one native state word, also used by ``_unitio``).
 """
 
 from __future__ import annotations
@@ -52,13 +46,13 @@ class JobOutcome:
             raise ValueError(f"status: expected one of {sorted(_OUTCOMES)}, got {self.status!r}")
 
 
+Work = Callable[[], JobOutcome | None]  # a job's work function
+
+
 @dataclass(eq=False)
 class IOJob:
-    """One submitted I/O operation and, once finished, its outcome.
-
-    ``kind`` names the operation (``"store"``, ``"loads"``, ...), ``info`` the tier's
-    description of it; the ``*_at`` stamps are ``time.perf_counter()`` values.
-    """
+    """One submitted I/O operation (``kind``: ``"store"``, ``"loads"``, ...; ``info``: the
+    tier's description of it) and, once finished, its outcome; ``*_at``: perf_counter()."""
 
     job_id: int
     kind: str
@@ -71,7 +65,7 @@ class IOJob:
     submitted_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
-    _fn: Callable[[], JobOutcome | None] | None = field(default=None, repr=False)
+    _fn: Work | None = field(default=None, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _collected: bool = field(default=False, repr=False)
     _state: JobState = field(default_factory=JobState, repr=False)  # running/claimed/expired
@@ -159,20 +153,9 @@ def _execute(job: IOJob) -> None:
 
 
 class JobPool:
-    """Worker threads fed by a bounded queue, with an optional per-job deadline.
-
-    Parameters
-    ----------
-    threads : int
-        Worker threads (>= 1).
-    queue_depth : int
-        Jobs that may wait for a thread (>= 1); beyond it, submissions are refused.
-    name : str
-        Thread name prefix.
-    deadline_s : float | None
-        Seconds a job may run (from its start) before it finishes ``"expired"``;
-        None: no deadline.
-    """
+    """``threads`` workers (>= 1) fed by a queue of ``queue_depth`` jobs (>= 1; beyond it
+    submissions are refused), named ``name``-N; ``deadline_s``: seconds a job may run from
+    its start before it finishes ``"expired"`` (None: no deadline)."""
 
     def __init__(
         self,
@@ -190,9 +173,7 @@ class JobPool:
         self._lock = threading.Condition()
         self._finished: dict[int, IOJob] = {}  # not yet collected, in job id order
         self._running: dict[threading.Thread, IOJob] = {}
-        self._ids = itertools.count()
-        self._spawned = itertools.count()
-        self._closed = False
+        self._ids, self._spawned, self._closed = itertools.count(), itertools.count(), False
         self._counts = dict.fromkeys(
             ("submitted", "refused", "finished", "errors", "cancelled", "expired"), 0
         )
@@ -204,25 +185,20 @@ class JobPool:
             threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
     def _spawn_locked(self) -> None:
-        worker = threading.Thread(
-            target=self._run, name=f"{self.name}-{next(self._spawned)}", daemon=True
-        )
+        name = f"{self.name}-{next(self._spawned)}"
+        worker = threading.Thread(target=self._run, name=name, daemon=True)
         self._workers.append(worker)
         worker.start()
 
     # ------------------------------------------------------------------ submission
 
-    def make_job(
-        self, kind: str, fn: Callable[[], JobOutcome | None], info: dict | None = None
-    ) -> IOJob:
+    def make_job(self, kind: str, fn: Work, info: dict | None = None) -> IOJob:
         """A job not yet submitted (for :meth:`submit_job` or :func:`run_inline`)."""
         return IOJob(
             next(self._ids), kind, dict(info or {}), submitted_at=time.perf_counter(), _fn=fn
         )
 
-    def submit(
-        self, kind: str, fn: Callable[[], JobOutcome | None], info: dict | None = None
-    ) -> IOJob:
+    def submit(self, kind: str, fn: Work, info: dict | None = None) -> IOJob:
         """Queue ``fn`` without blocking; a full queue gives a finished ``"refused"`` job
         (never returned by :meth:`poll`: the caller holds it)."""
         return self.submit_job(self.make_job(kind, fn, info))
@@ -327,12 +303,9 @@ class JobPool:
     # ------------------------------------------------------------------ shutdown
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting jobs, then drain (default) or cancel the queued ones.
-
-        Running jobs finish (or expire); cancelled ones finish ``"cancelled"`` and are
-        returned by :meth:`poll`. Threads are joined for at most ``timeout`` seconds.
-        Idempotent.
-        """
+        """Stop accepting jobs, then drain (default) or cancel the queued ones (they finish
+        ``"cancelled"``, returned by :meth:`poll`); running jobs finish (or expire). Threads
+        are joined for at most ``timeout`` seconds. Idempotent."""
         with self._lock:
             if self._closed and not self._workers_alive():
                 return

@@ -39,11 +39,8 @@ def this_process() -> ProcessId:
 
 
 def process_alive(process: ProcessId) -> bool | None:
-    """True / False when known; None when it cannot be known here.
-
-    Unknowable: a process of another pid namespace, or no /proc. Callers decide what
-    None means for them (a temp file: wait for its age; a region holder: alive).
-    """
+    """True / False when known; None when it cannot be (another pid namespace, no /proc):
+    the caller decides what that means (a temp file: wait for its age; a region holder: alive)."""
     namespace, pid, start = process
     own = _pid_namespace()
     if not own or _start_ticks("self") is None or (namespace and namespace != own):

@@ -35,9 +35,16 @@ from .geometry import (
 )
 
 __all__ = [
-    "NAMESPACE_SCHEMA", "UNIT_KINDS", "LayerGeometry", "ModelIdentity", "StateGeometry",
-    "StateReshardError", "StoreNamespace", "canonical_json", "is_namespace_hex",
-]  # fmt: skip
+    "NAMESPACE_SCHEMA",
+    "UNIT_KINDS",
+    "LayerGeometry",
+    "ModelIdentity",
+    "StateGeometry",
+    "StateReshardError",
+    "StoreNamespace",
+    "canonical_json",
+    "is_namespace_hex",
+]
 
 # Part of the digest: a change of what the description means never aliases an older one.
 NAMESPACE_SCHEMA = "canonical-kv.store-namespace.v1"
@@ -250,17 +257,11 @@ class StoreNamespace:
             raise ValueError(
                 f"num_layers: expected {len(layers)} (the layers listed), got {d['num_layers']!r}"
             )
-        layers = tuple(
-            LayerGeometry.from_description(g, f"layers[{i}]") for i, g in enumerate(layers)
-        )
-        states = tuple(
-            StateGeometry.from_description(g, f"states[{i}]") for i, g in enumerate(states)
-        )
-        kinds = (d.get("unit_kind", "kv"), d.get("key_id", ""))
+        layers = [LayerGeometry.from_description(g, f"layers[{i}]") for i, g in enumerate(layers)]
+        states = [StateGeometry.from_description(g, f"states[{i}]") for i, g in enumerate(states)]
+        rest = (layers, states, d.get("unit_kind", "kv"), d.get("key_id", ""))
         try:
-            return cls(
-                d["format_id"], ModelIdentity(**model), d["kv_quant"], layers, states, *kinds
-            )
+            return cls(d["format_id"], ModelIdentity(**model), d["kv_quant"], *rest)
         except TypeError as error:
             raise ValueError(str(error)) from None
 

@@ -1,11 +1,9 @@
 """``python -m canonical_ops store stats|verify|gc URL``: the Redis / Valkey side of :mod:`.cli`.
 
-Every primary of a cluster is read. Sizes (``MEMORY USAGE``) and recency (``OBJECT
-IDLETIME``) are read without touching the keys' LRU clocks, so a look does not change what
-the server evicts next; ``verify`` checks every value against its namespace's description
-(kept beside the units by every engine; an authenticated one needs the engines' secret in
-the environment). Exit codes as for files (2 also for an unusable server); URLs redacted.
-"""
+Every primary of a cluster is read; sizes (``MEMORY USAGE``) and recency (``OBJECT IDLETIME``)
+without touching the keys' LRU clocks. ``verify`` checks every value against its namespace's
+description (an authenticated one needs the engines' secret in the environment). Exit codes as
+for files (2 also for an unusable server); URLs redacted."""
 
 from __future__ import annotations
 
@@ -116,8 +114,11 @@ def _scan(nodes: list[redis.Redis], prefix: str, recency: bool) -> tuple[dict[st
             else:
                 counts["index_keys" if key.endswith(b":idx") else "other_keys"] += 1
         per = 2 if recency else 1  # OBJECT IDLETIME: only gc needs it
-        commands = [c for *_, k in found for c in (("MEMORY", "USAGE", k, "SAMPLES", "0"),
-                                                    ("OBJECT", "IDLETIME", k))[:per]]  # fmt: skip
+        commands = [
+            c
+            for *_, k in found
+            for c in (("MEMORY", "USAGE", k, "SAMPLES", "0"), ("OBJECT", "IDLETIME", k))[:per]
+        ]
         replies = _replies(node, commands + [("GET", key) for _, key in described])
         for i, (hex32, kd, first, end, key) in enumerate(found):
             size, idle = replies[per * i], replies[per * i + per - 1] if recency else 0
@@ -140,12 +141,10 @@ def _problem(space: _Space, unit: _Unit, value: Any) -> str | None:
     """Why ``value`` is not the unit its key names (None: it is)."""
     if isinstance(value, Exception):
         return f"unreadable: {value}"
-    if space.namespace is None:
+    if (namespace := space.namespace) is None:
         return f"not verifiable: {space.problem}"
     try:
-        header, _ = decode_and_verify(
-            value, namespace=space.namespace, first=unit.first, end=unit.end
-        )
+        header, _ = decode_and_verify(value, namespace=namespace, first=unit.first, end=unit.end)
     except CorruptUnit as bad:
         return bad.reason
     return None if key_digest(header.key) == unit.kd else "unit is for another key"
@@ -158,8 +157,7 @@ def _verify(where: dict, spaces: dict[str, _Space], as_json: bool) -> int:
             if value is None:  # evicted or expired while we looked: not a bad unit
                 continue
             checked += 1
-            why = _problem(space, unit, value)
-            if why is not None:
+            if (why := _problem(space, unit, value)) is not None:
                 bad.append({"key": unit.key.decode(), "reason": why})
     return print_verify(where, len(spaces), checked, bad, as_json)
 
@@ -202,9 +200,15 @@ def _gc(where: dict, spaces: dict[str, _Space], capacity: int, dry_run: bool, as
         _ask(victims, lambda u: ("DEL", u.key), _unlisted)
     evicted = sum(u.nbytes for u in victims)
     left = (len(units) - len(victims), sum(u.nbytes for u in units) - evicted)
-    report = {"capacity_bytes": capacity, "dry_run": dry_run, "units_evicted": len(victims),
-              "bytes_evicted": evicted, "units_left": left[0], "bytes_left": left[1],
-              "evicted": [u.key.decode() for u in victims]}  # fmt: skip
+    report = {
+        "capacity_bytes": capacity,
+        "dry_run": dry_run,
+        "units_evicted": len(victims),
+        "bytes_evicted": evicted,
+        "units_left": left[0],
+        "bytes_left": left[1],
+        "evicted": [u.key.decode() for u in victims],
+    }
     listing = [f"{u.key.decode()}  {u.nbytes} bytes, idle {u.idle_s} s" for u in victims]
     return print_gc(where, report, left, listing if dry_run else [], as_json)
 

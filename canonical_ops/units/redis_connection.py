@@ -1,10 +1,7 @@
-"""The Redis tier's connection: clients, start-up checks, round trips through a circuit breaker.
-
-Socket timeouts, redis-py retries with back-off, and a breaker that skips a failing
-server and probes it again later: a round trip that did not happen is
-:class:`_Unavailable` (a 0 lookup, a miss, a dropped store), so the engine keeps
-serving. Start-up problems are one-line :class:`RedisStoreError` messages saying what to do.
-"""
+"""The Redis tier's connection: clients, start-up checks, round trips through a circuit breaker
+(socket timeouts, retries with back-off; a failing server skipped, probed again later). A round
+trip that did not happen is :class:`_Unavailable` (a 0 lookup, a miss, a dropped store): the
+engine keeps serving. Start-up problems are one-line :class:`RedisStoreError` messages."""
 
 from __future__ import annotations
 
@@ -78,10 +75,16 @@ def _packing(base: type) -> type:
 
 
 def client_options(
-    url: RedisURL, *, cluster: bool, username: str | None = None, password: str | None = None,
-    db: int | None = None, ssl_files: Mapping[str, str | None] | None = None,
-    client_kwargs: Mapping[str, Any] | None = None, connect_timeout_s: float = 5.0,
-) -> dict[str, Any]:  # fmt: skip
+    url: RedisURL,
+    *,
+    cluster: bool,
+    username: str | None = None,
+    password: str | None = None,
+    db: int | None = None,
+    ssl_files: Mapping[str, str | None] | None = None,
+    client_kwargs: Mapping[str, Any] | None = None,
+    connect_timeout_s: float = 5.0,
+) -> dict[str, Any]:
     """redis-py keyword arguments: the URL's (credentials apart), then the explicit ones."""
     scheme = url.scheme.replace("+cluster", "")
     try:  # the address carries no credentials: redis-py's messages cannot leak them
@@ -145,8 +148,7 @@ class _Breaker:
         """The server answered; True when this closes an open breaker."""
         with self._lock:
             was_open = self._open
-            self._failures, self._open, self._probe_since = 0, False, None
-            self.backoff = self.base
+            self._failures, self._open, self._probe_since, self.backoff = 0, False, None, self.base
             return was_open
 
     def failure(self) -> bool:
@@ -236,14 +238,19 @@ class RedisConnection:
         index = probe + ":idx"
         value = _Parts(b"ck", memoryview(b"v-"))
         ops = [
-            Command("SET", probe, value, "PX", 10_000, "NX", size=4), Command("GET", probe),
-            Command("EXISTS", probe), Command("PERSIST", probe),
+            Command("SET", probe, value, "PX", 10_000, "NX", size=4),
+            Command("GET", probe),
+            Command("EXISTS", probe),
+            Command("PERSIST", probe),
             Command("ZADD", index, "GT", math.inf, b"0-1"),
             Command("ZRANGE", index, 0, "+inf", "BYSCORE"),
             Command("ZREMRANGEBYSCORE", index, "-inf", "(0"),
-            Command("PEXPIRE", index, 10_000, "NX"), Command("ZREM", index, b"0-1"),
-            Command("DEL", probe), Command("DEL", index), publish,
-        ]  # fmt: skip
+            Command("PEXPIRE", index, 10_000, "NX"),
+            Command("ZREM", index, b"0-1"),
+            Command("DEL", probe),
+            Command("DEL", index),
+            publish,
+        ]
         has_password = self.options.get("password") is not None
         try:
             results = self._pipeline(self.clients()[0], ops)
@@ -322,8 +329,11 @@ class RedisConnection:
                 _log.warning(
                     "RedisStore %s unavailable (%s: %s): skipping it, probing again in %.1f s "
                     "(lookups 0, loads miss, stores dropped meanwhile)",
-                    self.url, type(error).__name__, error, self.breaker.backoff,
-                )  # fmt: skip
+                    self.url,
+                    type(error).__name__,
+                    error,
+                    self.breaker.backoff,
+                )
             raise _Unavailable(f"{type(error).__name__}: {error}") from error
         self._recovered()
         self.count("errors", sum(isinstance(r, Exception) for r in results))

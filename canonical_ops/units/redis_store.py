@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int, check_seconds
-from .geometry import check_type
+from .geometry import check_bool, check_type
 from .jobs import JobOutcome, JobPool
 from .namespace import StoreNamespace
 from .policy import cover
@@ -65,14 +65,12 @@ _RANGE = re.compile(rb"(\d{1,6})-(\d{1,6})")
 
 @dataclass(frozen=True)
 class RedisStoreMetrics(TierMetrics):
-    """Counters of one :class:`RedisStore` (a snapshot), beyond :class:`.TierMetrics`.
-
-    ``*_unavailable`` / ``stores_dropped``: the server was down, slow or skipped by
-    the breaker; ``stores_failed``: the server refused (OOM, NOPERM);
-    ``stale_removed``: index entries naming vanished units; ``values_deleted``: bad
-    values deleted; ``bytes_sent`` / ``bytes_received``: value bytes on the wire;
-    ``errors``: failed round trips and error replies; ``available``: breaker closed.
-    """
+    """Counters of one :class:`RedisStore` (a snapshot), beyond :class:`.TierMetrics`:
+    ``*_unavailable`` / ``stores_dropped``: the server was down, slow or skipped by the
+    breaker; ``stores_failed``: the server refused (OOM, NOPERM); ``stale_removed``: index
+    entries naming vanished units; ``values_deleted``: bad values deleted; ``bytes_sent`` /
+    ``bytes_received``: value bytes on the wire; ``errors``: failed round trips and error
+    replies; ``available``: breaker closed."""
 
     stores_dropped: int = 0
     loads_unavailable: int = 0
@@ -140,19 +138,36 @@ class RedisStore(UnitStore):
     """
 
     def __init__(
-        self, url: str, namespace: StoreNamespace, *, cluster: bool | None = None,
-        username: str | None = None, password: str | None = None, db: int | None = None,
-        secret: Any = None, ttl_s: float | None = None,
-        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, max_pipeline_bytes: int = 256 << 20,
-        socket_timeout_s: float = 5.0, connect_timeout_s: float = 2.0,
-        lookup_timeout_s: float = 0.5, retries: int = 2,
-        breaker_failures: int = 2, breaker_backoff_s: float = 1.0,
-        breaker_max_backoff_s: float = 30.0, require_server: bool = True,
-        ssl_ca_certs: str | None = None, ssl_certfile: str | None = None,
-        ssl_keyfile: str | None = None, client_kwargs: Mapping[str, Any] | None = None,
-        key_prefix: str = "ckv", threads: int | None = None, queue_depth: int | None = None,
-        pool: JobPool | None = None, deadline_s: float | None = DEFAULT_DEADLINE_S,
-    ) -> None:  # fmt: skip
+        self,
+        url: str,
+        namespace: StoreNamespace,
+        *,
+        cluster: bool | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        db: int | None = None,
+        secret: Any = None,
+        ttl_s: float | None = None,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_pipeline_bytes: int = 256 << 20,
+        socket_timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        lookup_timeout_s: float = 0.5,
+        retries: int = 2,
+        breaker_failures: int = 2,
+        breaker_backoff_s: float = 1.0,
+        breaker_max_backoff_s: float = 30.0,
+        require_server: bool = True,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        key_prefix: str = "ckv",
+        threads: int | None = None,
+        queue_depth: int | None = None,
+        pool: JobPool | None = None,
+        deadline_s: float | None = DEFAULT_DEADLINE_S,
+    ) -> None:
         check_type("namespace", namespace, StoreNamespace)
         self.namespace = namespace if secret is None else namespace.authenticated(secret)
         parsed = parse_url(url)
@@ -164,8 +179,11 @@ class RedisStore(UnitStore):
         self.cluster = parsed.cluster if cluster is None else bool(cluster)
         if self.cluster and parsed.scheme == "unix":
             raise ValueError("url: expected a redis:// or rediss:// URL with cluster=True")
-        ssl_files = {"ssl_ca_certs": ssl_ca_certs, "ssl_certfile": ssl_certfile,
-                     "ssl_keyfile": ssl_keyfile}  # fmt: skip
+        ssl_files = {
+            "ssl_ca_certs": ssl_ca_certs,
+            "ssl_certfile": ssl_certfile,
+            "ssl_keyfile": ssl_keyfile,
+        }
         for name, value in {"username": username, "password": password, **ssl_files}.items():
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name}: expected a str or None, got {type(value).__name__}")
@@ -185,10 +203,16 @@ class RedisStore(UnitStore):
         self.max_pipeline_bytes = check_int(
             "max_pipeline_bytes", max_pipeline_bytes, minimum=self.max_value_bytes
         )
-        seconds = {name: check_seconds(name, value) for name, value in (
-            ("socket_timeout_s", socket_timeout_s), ("connect_timeout_s", connect_timeout_s),
-            ("lookup_timeout_s", lookup_timeout_s), ("breaker_backoff_s", breaker_backoff_s),
-            ("breaker_max_backoff_s", breaker_max_backoff_s))}  # fmt: skip
+        seconds = {
+            name: check_seconds(name, value)
+            for name, value in (
+                ("socket_timeout_s", socket_timeout_s),
+                ("connect_timeout_s", connect_timeout_s),
+                ("lookup_timeout_s", lookup_timeout_s),
+                ("breaker_backoff_s", breaker_backoff_s),
+                ("breaker_max_backoff_s", breaker_max_backoff_s),
+            )
+        }
         retries = check_int("retries", retries, minimum=0, maximum=10)
         breaker_failures = check_int("breaker_failures", breaker_failures, minimum=1)
         backoff, max_backoff = seconds["breaker_backoff_s"], seconds["breaker_max_backoff_s"]
@@ -196,8 +220,7 @@ class RedisStore(UnitStore):
             raise ValueError(
                 f"breaker_max_backoff_s: expected >= breaker_backoff_s={backoff}, got {max_backoff}"
             )
-        if not isinstance(require_server, (bool, np.bool_)):
-            raise TypeError(f"require_server: expected a bool, got {require_server!r}")
+        require_server = check_bool("require_server", require_server)
         if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
             raise TypeError(f"client_kwargs: expected a mapping or None, got {client_kwargs!r}")
         if not isinstance(key_prefix, str) or not key_prefix or set("{}") & set(key_prefix):
@@ -205,26 +228,35 @@ class RedisStore(UnitStore):
             raise kind(f"key_prefix: expected a non-empty str without braces, got {key_prefix!r}")
         threads, queue_depth, deadline_s = self._pool_args(pool, threads, queue_depth, deadline_s)
         options = client_options(
-            parsed, cluster=self.cluster, username=username, password=password, db=db,
-            ssl_files=ssl_files, client_kwargs=client_kwargs,
+            parsed,
+            cluster=self.cluster,
+            username=username,
+            password=password,
+            db=db,
+            ssl_files=ssl_files,
+            client_kwargs=client_kwargs,
             connect_timeout_s=seconds["connect_timeout_s"],
-        )  # fmt: skip
+        )
         tag = f"{key_prefix}:v{FORMAT_VERSION}:"
         self._base = f"{tag}{{{self.namespace.hex[:32]}:"  # + kd}:first-end, + kd}:idx
         self._description = f"{tag}namespace:{self.namespace.hex[:32]}"
         text = json.dumps(self.namespace.describe(), sort_keys=True, separators=(",", ":"))
         self._description_json = text.encode()
-        self._init_base()
-        self._counts: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
+        self._init_base(_COUNTERS)
         self._breaker = _Breaker(breaker_failures, backoff, max_backoff)
         self._tls = threading.local()
         self._connection = RedisConnection(
-            self.url, options, cluster=self.cluster, retries=retries, breaker=self._breaker,
+            self.url,
+            options,
+            cluster=self.cluster,
+            retries=retries,
+            breaker=self._breaker,
             timeouts=(seconds["socket_timeout_s"], seconds["lookup_timeout_s"]),
-            max_pipeline_bytes=self.max_pipeline_bytes, count=self._count,
-        )  # fmt: skip
+            max_pipeline_bytes=self.max_pipeline_bytes,
+            count=self._count,
+        )
         try:
-            self._connection.start(self._base, bool(require_server), self._describe())
+            self._connection.start(self._base, require_server, self._describe())
         except BaseException:
             self._connection.close()
             raise
@@ -271,8 +303,7 @@ class RedisStore(UnitStore):
     def _lookup(self, raws: list[bytes], first: int, end: int, *, inline: bool) -> int:
         """One round trip: per key its index and whether the exact unit exists (so the
         common same-split answer is exact; covers from other splits are the index's word)."""
-        started = time.perf_counter()
-        found, unavailable = 0, False
+        started, found, unavailable = time.perf_counter(), 0, False
         if raws:
             now_ms = f"{time.time() * 1000.0:.0f}"
             ops = []
@@ -291,8 +322,13 @@ class RedisStore(UnitStore):
                     break
                 found += 1
         elapsed = time.perf_counter() - started
-        self._count("lookups", lookup_blocks=len(raws), lookup_hit_blocks=found,
-                    lookups_unavailable=unavailable, lookup_seconds_total=elapsed)  # fmt: skip
+        self._count(
+            "lookups",
+            lookup_blocks=len(raws),
+            lookup_hit_blocks=found,
+            lookups_unavailable=unavailable,
+            lookup_seconds_total=elapsed,
+        )
         with self._lock:
             self._counts["lookup_seconds_max"] = max(self._counts["lookup_seconds_max"], elapsed)
         return found
@@ -326,8 +362,10 @@ class RedisStore(UnitStore):
             self._count("stores_dropped", len(reqs))
             return [JobOutcome("error", detail=f"dropped: {why}") for _ in reqs]
         self._count("bytes_sent", sum(op.size for op in ops))
-        return [self._store_outcome(req, pieces, replies[at : at + len(pieces)])
-                for req, at, pieces in plans]  # fmt: skip
+        return [
+            self._store_outcome(req, pieces, replies[at : at + len(pieces)])
+            for req, at, pieces in plans
+        ]
 
     def _store_outcome(self, req: StoreReq, pieces: list, replies: list) -> JobOutcome:
         """What the ``SET NX`` replies of one request's units say (OK: won; nil: there)."""
@@ -349,8 +387,11 @@ class RedisStore(UnitStore):
         expiry = math.inf if ttl_ms is None else now_ms + ttl_ms
         members = [x for a, b in ranges for x in (expiry, f"{a}-{b}".encode())]
         # PERSIST, or PEXPIRE NX (a new index gets the TTL) and GT (an old one only grows).
-        expiry_ops = [("PERSIST", index)] if ttl_ms is None else [
-            ("PEXPIRE", index, ttl_ms, "NX"), ("PEXPIRE", index, ttl_ms, "GT")]  # fmt: skip
+        expiry_ops = (
+            [("PERSIST", index)]
+            if ttl_ms is None
+            else [("PEXPIRE", index, ttl_ms, "NX"), ("PEXPIRE", index, ttl_ms, "GT")]
+        )
         return [
             Command("ZADD", index, "GT", *members),
             Command("ZREMRANGEBYSCORE", index, "-inf", f"({now_ms:.0f}"),
@@ -463,9 +504,13 @@ class RedisStore(UnitStore):
         outcomes = [ld.outcome or missed for ld in loads]
         hits = sum(outcome.status == "ok" for outcome in outcomes)
         dropped = sum(ld.outcome is None for ld in loads) if unavailable else 0
-        bytes_loaded = sum(outcome.nbytes for outcome in outcomes)
-        self._count("hits", hits, misses=len(loads) - hits, loads_unavailable=dropped,
-                    bytes_loaded=bytes_loaded)  # fmt: skip
+        self._count(
+            "hits",
+            hits,
+            misses=len(loads) - hits,
+            loads_unavailable=dropped,
+            bytes_loaded=sum(outcome.nbytes for outcome in outcomes),
+        )
         if unavailable is None:
             self._connection.cleanup(cleanup, deleted)
         return outcomes
@@ -499,8 +544,6 @@ class _Load:
 
     def __init__(self, req: LoadReq) -> None:
         self.req, self.span = req, (req.first, req.end)
-        self.ranges: set[tuple[int, int]] = set()
-        self.excluded: set[tuple[int, int]] = set()
-        self.done: set[tuple[int, int]] = set()
+        self.ranges, self.excluded, self.done = set(), set(), set()  # of (first, end)
         self.problems: list[str] = []
         self.outcome: JobOutcome | None = None

@@ -17,24 +17,29 @@ from ..checks import check_int, check_seconds
 from .geometry import check_type
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
-from .unit import MAX_POSITION, as_byte_view, key_digest, normalize_key
+from .unit import MAX_POSITION, as_byte_view, key_digest, normalize_key, payload_view
 
 __all__ = [
-    "LoadItem", "LoadReq", "PageTier", "StoreItem", "StoreReq", "TierBase", "TierMetrics",
-    "UnitStore", "batch_outcome",
-]  # fmt: skip
+    "LoadItem",
+    "LoadReq",
+    "PageTier",
+    "StoreItem",
+    "StoreReq",
+    "TierBase",
+    "TierMetrics",
+    "UnitStore",
+    "batch_outcome",
+]
 
 DEFAULT_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
 class TierMetrics:
-    """The counters every store reports (a snapshot since it started); each adds its own.
-
+    """The counters every store reports (a snapshot since it started; each adds its own):
     ``stores_skipped``: the unit was already there (first writer wins); ``*_refused``:
     back-pressure or closed; ``hits``/``misses``: loads that did / did not fill their
-    destination; ``corrupt_detected``: units that failed verification (each a miss).
-    """
+    destination; ``corrupt_detected``: units that failed verification (each a miss)."""
 
     units_stored: int = 0
     bytes_stored: int = 0
@@ -110,20 +115,19 @@ def batch_outcome(outcomes: list[JobOutcome]) -> JobOutcome:
 class UnitStore:
     """Base of the unit stores: checked, batch-first jobs over three primitives.
 
-    A subclass sets ``namespace`` and ``_counts`` (counter name -> number), calls
-    :meth:`_init_base` and, last in ``__init__``, :meth:`_attach_pool`; it implements
-    ``_lookup(raw_keys, first, end, *, inline) -> int`` (``inline``: on the caller's
-    thread), ``_store_units(reqs) -> [JobOutcome]``, ``_load_units(reqs) -> [JobOutcome]``
-    and ``metrics()``, and may override ``_close_resources()``.
-    """
+    A subclass sets ``namespace``, calls :meth:`_init_base` (its counters' names) and, last
+    in ``__init__``, :meth:`_attach_pool`; it implements ``_lookup(raw_keys, first, end, *,
+    inline) -> int`` (``inline``: on the caller's thread), ``_store_units(reqs)`` and
+    ``_load_units(reqs)`` (-> one JobOutcome per req) and ``metrics()``, and may override
+    ``_close_resources()``."""
 
     namespace: StoreNamespace
     pool: JobPool
     _counts: dict[str, Any]
 
-    def _init_base(self) -> None:
-        self._lock = threading.Lock()
-        self._closed = False
+    def _init_base(self, counters: Sequence[str]) -> None:
+        self._lock, self._closed = threading.Lock(), False
+        self._counts = dict.fromkeys(counters, 0)
 
     # ------------------------------------------------------------------ the job pool
 
@@ -163,14 +167,6 @@ class UnitStore:
             raise TypeError("keys: expected a sequence of block keys, got a single key; wrap it")
         return [normalize_key(k) for k in keys]
 
-    def _sized(self, view: memoryview, first: int, end: int, what: str) -> memoryview:
-        expected = self.namespace.layer_bytes(first, end)
-        if len(view) != expected:
-            raise ValueError(
-                f"{what}: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
-            )
-        return view
-
     def _store_req(self, item: Any, name: str) -> StoreReq:
         if not isinstance(item, StoreItem):
             if not isinstance(item, (tuple, list)) or not 4 <= len(item) <= 5:
@@ -194,7 +190,7 @@ class UnitStore:
                 )
             end = ends[0]
         first, end = self._range(first, end)
-        view = self._sized(view, first, end, f"{name}.payload")
+        view = payload_view(self.namespace, view, first, end, f"{name}.payload")
         position = check_int(f"{name}.position", item.position, minimum=0, maximum=MAX_POSITION)
         return StoreReq(raw_key, first, end, position, view)
 
@@ -206,10 +202,10 @@ class UnitStore:
                     f"got {type(item).__name__}"
                 )
             item = LoadItem(*item)
-        raw_key = normalize_key(item.key)
+        raw_key, what = normalize_key(item.key), f"{name}.destination"
         first, end = self._range(item.first, item.end)
-        view = as_byte_view(item.destination, writable=True, name=f"{name}.destination")
-        return LoadReq(raw_key, first, end, self._sized(view, first, end, f"{name}.destination"))
+        dest = payload_view(self.namespace, item.destination, first, end, what, writable=True)
+        return LoadReq(raw_key, first, end, dest)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -262,13 +258,11 @@ class UnitStore:
         return job
 
     def submit_stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
-        """Queue the store of several units as ONE job; never blocks.
-
-        The job's ``value`` is one :class:`JobOutcome` per item, in order: ``"ok"`` once
-        stored or already there (first writer wins, see ``detail``), ``"error"`` when
-        nothing was stored. Its status is the worst of them, or at once ``"refused"``
-        (queue full) or, later, ``"expired"`` (deadline: count every item failed).
-        """
+        """Queue the store of several units as ONE job; never blocks. Its ``value``: one
+        :class:`JobOutcome` per item, in order: ``"ok"`` once stored or already there (first
+        writer wins, see ``detail``), ``"error"`` when nothing was stored. Its status is the
+        worst of them, or at once ``"refused"`` (queue full) or later ``"expired"`` (deadline:
+        count every item failed)."""
         return self._batch("store", items, False, True)
 
     def stores(self, items: Sequence[StoreItem | tuple]) -> IOJob:
@@ -276,12 +270,10 @@ class UnitStore:
         return self._batch("store", items, False, False)
 
     def submit_loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
-        """Queue the load of several units as ONE job; never blocks.
-
-        The job's ``value`` is one :class:`JobOutcome` per item: ``"ok"`` (the destination
-        holds the verified layers), ``"miss"`` (absent, or corrupt and quarantined: see
-        ``detail``) or ``"error"``; on any other status the destination is undefined.
-        """
+        """Queue the load of several units as ONE job; never blocks. Its ``value``: one
+        :class:`JobOutcome` per item: ``"ok"`` (the destination holds the verified layers),
+        ``"miss"`` (absent, or corrupt and quarantined: see ``detail``) or ``"error"``; on any
+        other status the destination is undefined."""
         return self._batch("load", items, False, True)
 
     def loads(self, items: Sequence[LoadItem | tuple]) -> IOJob:
@@ -310,11 +302,10 @@ class UnitStore:
 
     # ------------------------------------------------------------------ counters and upkeep
 
-    def _count(self, name: str | None = None, n: float = 1, **more: float) -> None:
+    def _count(self, name: str, n: float = 1, **more: float) -> None:
         """Add ``n`` to counter ``name`` and each of ``more`` (name=amount), under one lock."""
         with self._lock:
-            if name is not None:
-                self._counts[name] += n
+            self._counts[name] += n
             for key, amount in more.items():
                 self._counts[key] += amount
 

@@ -76,12 +76,10 @@ def chain_keys(parent: bytes, token_ids: Any, block_tokens: int) -> list[bytes]:
         raise ValueError(f"parent: expected {KEY_BYTES} bytes, got {parent!r:.80}")
     block_tokens = check_int("block_tokens", block_tokens, minimum=1)
     tokens = _token_array(token_ids)
-    whole = len(tokens) // block_tokens
-    raw = tokens[: whole * block_tokens].tobytes()
-    step = block_tokens * 8
-    keys, key = [], bytes(parent)
-    for i in range(whole):
-        key = hashlib.sha256(key + raw[i * step : (i + 1) * step]).digest()
+    raw = tokens[: len(tokens) // block_tokens * block_tokens].tobytes()
+    keys, key, step = [], bytes(parent), block_tokens * 8
+    for at in range(0, len(raw), step):
+        key = hashlib.sha256(key + raw[at : at + step]).digest()
         keys.append(key)
     return keys
 

@@ -45,12 +45,30 @@ from .geometry import check_type
 from .namespace import StoreNamespace
 
 __all__ = [
-    "CHECKSUM_HMAC_SHA256", "CHECKSUM_XXH3_128", "FIXED_HEADER_BYTES", "FORMAT_VERSION", "MAGIC",
-    "MAX_HEADER_BYTES", "MAX_KEY_BYTES", "MAX_POSITION", "CorruptUnit", "PayloadVerifier",
-    "UnitHeader", "as_byte_view", "begin_unit_check", "decode_and_verify", "decode_header",
-    "encode_header", "encode_unit", "header_length", "key_digest", "normalize_key", "peek_header",
-    "start_unit", "verify_payload",
-]  # fmt: skip
+    "CHECKSUM_HMAC_SHA256",
+    "CHECKSUM_XXH3_128",
+    "FIXED_HEADER_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_KEY_BYTES",
+    "MAX_POSITION",
+    "CorruptUnit",
+    "PayloadVerifier",
+    "UnitHeader",
+    "as_byte_view",
+    "begin_unit_check",
+    "decode_and_verify",
+    "decode_header",
+    "encode_header",
+    "encode_unit",
+    "header_length",
+    "key_digest",
+    "normalize_key",
+    "peek_header",
+    "start_unit",
+    "verify_payload",
+]
 
 MAGIC = b"CKVUNIT\x00"
 FORMAT_VERSION = 1
@@ -148,6 +166,18 @@ def as_byte_view(obj: Any, *, writable: bool = False, name: str = "buffer") -> m
     return view
 
 
+def payload_view(
+    namespace: StoreNamespace, obj: Any, first: int, end: int, name: str, writable: bool = False
+) -> memoryview:
+    """:func:`as_byte_view` of ``obj``, ``ValueError`` unless it holds layers ``[first, end)``."""
+    view = as_byte_view(obj, writable=writable, name=name)
+    if len(view) != (expected := namespace.layer_bytes(first, end)):
+        raise ValueError(
+            f"{name}: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
+        )
+    return view
+
+
 @dataclass(frozen=True)
 class UnitHeader:
     """A decoded header (fields as in the module docstring; ``raw`` as stored)."""
@@ -177,17 +207,20 @@ def _algorithm(namespace: StoreNamespace) -> int:
     return CHECKSUM_HMAC_SHA256 if namespace.key_id else CHECKSUM_XXH3_128
 
 
-def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) -> Any:
-    """The checksum (or MAC) of a namespace's units (namespace unknown: of ``algorithm``),
-    having taken the header ``head`` with its checksum field zeroed."""
+def new_hasher(namespace: StoreNamespace | None, algorithm: int = 0) -> Any:
+    """A fresh checksum (or MAC) of a namespace's units (namespace unknown: of ``algorithm``)."""
     if namespace is not None:
         algorithm = _algorithm(namespace)
     if algorithm == CHECKSUM_XXH3_128:
-        hasher = xxhash.xxh3_128()
-    elif namespace is None or namespace.secret is None:
+        return xxhash.xxh3_128()
+    if namespace is None or namespace.secret is None:
         raise CorruptUnit("authenticated unit: no secret to verify it with")
-    else:
-        hasher = namespace.secret.mac()
+    return namespace.secret.mac()
+
+
+def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) -> Any:
+    """:func:`new_hasher` having taken the header ``head`` with its checksum field zeroed."""
+    hasher = new_hasher(namespace, algorithm)
     hasher.update(head[:80] + _ZERO_SUM + head[96:])
     return hasher
 
@@ -195,8 +228,21 @@ def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) 
 def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
     """The header of a unit, checksum zeroed (what the checksum covers)."""
     length, payload = FIXED_HEADER_BYTES + _pad8(len(raw_key)), ns.layer_bytes(first, end)
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, length, _algorithm(ns), len(raw_key), 0, first, end,
-                        ns.num_layers, position, payload, ns.digest, _ZERO_SUM)  # fmt: skip
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        length,
+        _algorithm(ns),
+        len(raw_key),
+        0,
+        first,
+        end,
+        ns.num_layers,
+        position,
+        payload,
+        ns.digest,
+        _ZERO_SUM,
+    )
     return fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
 
 
@@ -218,13 +264,7 @@ def encode_header(
     whose payload (``namespace.layer_bytes(first, end)`` bytes: a region row, array,
     tensor...) is hashed in place; write it, then the payload."""
     head, hasher = start_unit(namespace, key, first, end, position)
-    view = as_byte_view(payload, name="payload")
-    expected = namespace.layer_bytes(first, end)
-    if len(view) != expected:
-        raise ValueError(
-            f"payload: expected {expected} bytes (layers [{first}, {end})), got {len(view)}"
-        )
-    hasher.update(view)
+    hasher.update(payload_view(namespace, payload, first, end, "payload"))
     return head[:80] + hasher.digest() + head[96:]
 
 
@@ -342,13 +382,9 @@ class PayloadVerifier:
 def begin_unit_check(
     buffer: Any, *, namespace: StoreNamespace, key: Any, first: int, end: int
 ) -> tuple[Any, bytes]:
-    """A reader's fast path: check the header of one expected unit by comparing it with
-    the bytes it must have (all but position and checksum), and start its checksum.
-
-    Accepts exactly what :func:`decode_header` accepts for ``key``/``first``/``end`` (a
-    mismatch is handed to it for the reason). Returns a hasher that has taken the header:
-    feed it the payload, then compare its ``digest()`` with the second item.
-    """
+    """A reader's fast path: the header of one expected unit compared with the bytes it
+    must have (accepting exactly what :func:`decode_header` does, which names a mismatch),
+    and a hasher that has taken it: feed it the payload, compare ``digest()`` with item 2."""
     check_type("namespace", namespace, StoreNamespace)
     raw_key = normalize_key(key)
     want = _pack(namespace, raw_key, first, end, 0)

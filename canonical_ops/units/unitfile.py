@@ -84,12 +84,9 @@ def check_unit(
     its ``digest`` when unknown), placement, size and, if ``full``, the checksum, in
     bounded memory. ``CorruptUnit`` when it must not be used."""
     raw = os.pread(fd, MAX_HEADER_BYTES, 0)
-    header = (
-        _unit.peek_header(raw)
-        if namespace is None
-        else _unit.decode_header(raw, namespace=namespace)
-    )
-    if namespace is None and header.namespace_digest != digest:
+    if namespace is not None:
+        header = _unit.decode_header(raw, namespace=namespace)
+    elif (header := _unit.peek_header(raw)).namespace_digest != digest:
         raise CorruptUnit("unit of another namespace")
     if (header.first_layer, header.end_layer) != (found.first, found.end):
         raise CorruptUnit(
@@ -116,11 +113,7 @@ def check_unit(
 def mac(namespace: StoreNamespace) -> Any:
     """None (XXH3, hashed natively) or a fresh MAC of an authenticated namespace (hashed
     through Python: HMAC-SHA256 stays with OpenSSL)."""
-    if not namespace.key_id:
-        return None
-    if namespace.secret is None:
-        raise CorruptUnit("authenticated unit: no secret to verify it with")
-    return namespace.secret.mac()
+    return _unit.new_hasher(namespace) if namespace.key_id else None
 
 
 def load_item(ns: StoreNamespace, req: LoadReq, first: int, end: int, fan: int) -> tuple:

@@ -1,17 +1,6 @@
-"""CanonicalOffloadingSpec: vLLM's CPU (tiering) offloading spec, with our worker.
-
-Everything scheduler-side is vLLM's: the OffloadingConfig, the CPU primary tier
-and its eviction policy, secondary tiers (file, object, p2p, ...), the region
-size and the file namespace (which carries the canonical format id). Only the
-worker differs: :meth:`create_worker` builds a
-:class:`~canonical_ops.vllm.worker.CanonicalOffloadingWorker` over the same
-``SharedOffloadRegion`` vLLM's worker would map, after vLLM's own validation
-of the canonical refs, so every byte lands where vLLM would put it.
-
-The base class is ``TieringOffloadingSpec`` (itself vLLM's ``CPUOffloadingSpec``
-with the shared region always on): it is the spec through which vLLM 0.33 runs
-the canonical layout. With no ``secondary_tiers`` it is a plain CPU cache.
-"""
+"""CanonicalOffloadingSpec: vLLM's ``TieringOffloadingSpec`` with our worker. Everything
+scheduler-side is vLLM's; only the worker differs, over the same ``SharedOffloadRegion`` and
+after vLLM's own validation of the canonical refs, so every byte lands where vLLM puts it."""
 
 from __future__ import annotations
 
@@ -28,11 +17,8 @@ __all__ = ["CanonicalOffloadingSpec"]
 
 class CanonicalOffloadingSpec(TieringOffloadingSpec):
     """vLLM offloading spec (``spec_name: "CanonicalOffloadingSpec"``) running canonical_ops.
-
-    Requires ``"canonical_layout": true`` in ``kv_connector_extra_config``: the
-    scheduler side (storage namespace, portability gate) must agree with the
-    canonical bytes the worker writes. Refuses at construction otherwise.
-    """
+    Refuses a config without ``"canonical_layout": true``: the scheduler side (namespace,
+    portability gate) must agree with the canonical bytes the worker writes."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         if not config.canonical_layout:
@@ -59,10 +45,7 @@ class CanonicalOffloadingSpec(TieringOffloadingSpec):
             # (per-topology) layers under a topology-shared storage namespace.
             self._validate_canonical_refs(kv_caches)
             return CanonicalOffloadingWorker(
-                kv_caches=kv_caches,
-                blocks_per_chunk=self.blocks_per_chunk,
-                num_cpu_chunks=self.num_chunks,
-                mmap_region=region,
+                kv_caches, self.blocks_per_chunk, self.num_chunks, region
             )
         except Exception:
             region.cleanup()

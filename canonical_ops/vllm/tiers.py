@@ -1,13 +1,6 @@
-"""vLLM 0.33 secondary tiers backed by the unit stores: ``canonical_fs`` and ``canonical_redis``.
-
-Each tier sits under vLLM's ``TieringOffloadingManager`` (``TieringOffloadingSpec`` or
-:class:`~canonical_ops.vllm.spec.CanonicalOffloadingSpec`, with ``canonical_layout: true``)
-and keeps every primary chunk (one row of vLLM's CPU region) as one checksummed unit of a
-:class:`~canonical_ops.units.FileStore` or :class:`~canonical_ops.units.RedisStore`, keyed
-by vLLM's offload key. A load is verified before vLLM sees the row as loaded; a bad unit is
-a miss (quarantined and counted), never a load. Every method returns at once: lookups,
-loads and stores are jobs on pools whose ``deadline_s`` turns stuck I/O into misses.
-"""
+"""vLLM 0.33 secondary tiers ``canonical_fs`` and ``canonical_redis``: each primary chunk (one
+row of vLLM's CPU region) is one checksummed unit, keyed by vLLM's offload key. A load is verified
+before vLLM sees it (a bad unit is a miss); all I/O runs as jobs with a ``deadline_s``."""
 
 from __future__ import annotations
 
@@ -62,6 +55,11 @@ CORRUPT_UNITS = "vllm:kv_offload_canonical_corrupt_units"
 EXPIRED_JOBS = "vllm:kv_offload_canonical_expired_jobs"
 REMOVED_UNITS = "vllm:kv_offload_canonical_removed_units"
 _LABELS = ("tier_type",)
+_METRICS = {  # counter -> its help text
+    CORRUPT_UNITS: "Units that failed verification on load (each a miss; quarantined).",
+    EXPIRED_JOBS: "Lookups, loads and stores that ran past deadline_s (a miss or a failed store).",
+    REMOVED_UNITS: "Units the tier removed (LRU eviction to capacity_bytes, quarantine).",
+}
 _FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float"})
 _SHARED_FORMATS = ("v1-nhd", "v1-hnd")
 _MAX_LOOKUP_ROUNDS = 8  # prefix lookups per batch of keys; later keys count as misses
@@ -69,9 +67,8 @@ _UNIT_KEY_BYTES = 96  # a unit's header is then 192 bytes: its payload starts on
 
 
 def unit_key(key: bytes) -> bytes:
-    """The unit key of an offload key: padded to 96 bytes, its length in the last byte (longer
-    keys get one 0 byte: never 96), so warm loads copy a 64-byte aligned payload (5-7% faster
-    measured than at byte 136, where vLLM's 36-byte keys would put it)."""
+    """An offload key padded to 96 bytes, its length in the last byte (longer keys: one 0 byte
+    appended), so a unit's payload starts on a cache line (warm loads 5-7% faster)."""
     n = len(key)
     return key + bytes(_UNIT_KEY_BYTES - 1 - n) + bytes([n]) if n < _UNIT_KEY_BYTES else key + b"\0"
 
@@ -84,14 +81,9 @@ def offload_key(unit: bytes) -> OffloadKey:
 def row_namespace(
     offloading_spec: OffloadingSpec, row_bytes: int, model_name: str | None = None
 ) -> StoreNamespace:
-    """The namespace of vLLM's primary rows: everything that decides their bytes.
-
-    Model, canonical format, KV dtype, tokens per hash and per chunk, the KV-cache groups
-    and the row size; the topology (TP, PP, PCP, DCP) only when vLLM does not certify the
-    config parallelism-agnostic (then rows may hold opaque per-topology pages). Block-hash
-    algorithm and seed are not described: they shape the keys themselves, and the seed of a
-    non-cryptographic hash must stay secret.
-    """
+    """The namespace of vLLM's primary rows: everything that decides their bytes (the topology
+    only when vLLM does not certify the config parallelism-agnostic). The block-hash seed is
+    not described: it shapes the keys, and must stay secret."""
     config = offloading_spec.config
     if not config.canonical_layout:
         raise ValueError(
@@ -119,30 +111,21 @@ def row_namespace(
     }
     parallel = config.parallel
     if not parallel.is_parallelism_agnostic:
-        extra["topology"] = {
-            "tp": parallel.tp_size,
-            "pp": parallel.pp_size,
-            "pcp": parallel.pcp_size,
-            "dcp": parallel.dcp_size,
-            "world_size": parallel.world_size,
-        }
+        sizes = {name: getattr(parallel, f"{name}_size") for name in ("tp", "pp", "pcp", "dcp")}
+        extra["topology"] = {**sizes, "world_size": parallel.world_size}
     # The row is opaque to the unit store (its per-layer layout is vLLM's, inside the row).
     tokens = max([g.tokens_per_block for g in config.groups] or [1])
     row = LayerGeometry.opaque_from_bytes(
         row_bytes, RankContext(1, 1, 0), block_size=tokens * config.cache.blocks_per_chunk
     )
-    name = model_name if model_name is not None else config.model.name
-    model = ModelIdentity(name, "", extra)
+    model = ModelIdentity(model_name if model_name is not None else config.model.name, "", extra)
     kv_quant = "none" if dtype in _FLOAT_DTYPES else dtype
     return StoreNamespace(fmt, model, kv_quant, (row,))
 
 
 def warn_if_random_hash_seed(tier_type: str) -> bool:
-    """Log one line when vLLM's block hashes use a random per-process seed.
-
-    Returns False while vLLM has not chosen its seed yet (the scheduler builds tiers
-    before ``init_none_hash``): call again later.
-    """
+    """Log one line when vLLM's block hashes use a random per-process seed; False while vLLM
+    has not chosen its seed yet (tiers are built before ``init_none_hash``): call again later."""
     if getattr(kv_cache_utils, "NONE_HASH", None) is None:
         return False
     seed = kv_cache_utils.get_none_hash_seed()
@@ -202,7 +185,7 @@ class _CanonicalTier(SecondaryTierManager):
             )
         )
         queue_depth = check_int("queue_depth", queue_depth, minimum=1)
-        self.deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
+        self.deadline_s = deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
         if model_name is not None and not (isinstance(model_name, str) and model_name):
             raise TypeError(f"model_name: expected a non-empty str, got {model_name!r}")
         self.namespace = row_namespace(offloading_spec, self.block_size_bytes, model_name)
@@ -225,12 +208,8 @@ class _CanonicalTier(SecondaryTierManager):
         self._done: list[JobResult] = []  # refused at submission, or waited for by drain_jobs
         self._removed = 0
         self._reported = dict.fromkeys((CORRUPT_UNITS, EXPIRED_JOBS, REMOVED_UNITS), 0)
-        self._io = JobPool(
-            threads, queue_depth, name=f"ckv-{tier_type}", deadline_s=self.deadline_s
-        )
-        self._lookup_pool = JobPool(
-            1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=self.deadline_s
-        )
+        self._io = JobPool(threads, queue_depth, name=f"ckv-{tier_type}", deadline_s=deadline_s)
+        self._lookup_pool = JobPool(1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=deadline_s)
         try:
             self.store: UnitStore = self._open_store(
                 pool=self._io, **({} if secret is None else {"secret": secret})
@@ -252,18 +231,7 @@ class _CanonicalTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            CORRUPT_UNITS: OffloadingCounterMetadata(
-                "Units that failed verification on load (each a miss; quarantined).", _LABELS
-            ),
-            EXPIRED_JOBS: OffloadingCounterMetadata(
-                "Lookups, loads and stores that ran past deadline_s (a miss or a failed store).",
-                _LABELS,
-            ),
-            REMOVED_UNITS: OffloadingCounterMetadata(
-                "Units the tier removed (LRU eviction to capacity_bytes, quarantine).", _LABELS
-            ),
-        }
+        return {name: OffloadingCounterMetadata(text, _LABELS) for name, text in _METRICS.items()}
 
     def _lookup_batch(self, keys: list[OffloadKey]) -> list[bool]:
         """Whether each key is stored (lookup-manager thread; the I/O runs on the lookup pool,
@@ -347,10 +315,8 @@ class _CanonicalTier(SecondaryTierManager):
 
     def _result(self, job: IOJob, vllm_job: int, keys: list, is_load: bool) -> JobResult:
         """vLLM's JobResult of a finished job: a load keeps the keys whose unit was verified."""
-        outcomes = (
-            job.value if isinstance(job.value, list) and len(job.value) == len(keys) else None
-        )
-        ok = [k for k, o in zip(keys, outcomes or ()) if o.status == "ok"]
+        outcomes = job.value if isinstance(job.value, list) and len(job.value) == len(keys) else ()
+        ok = [k for k, o in zip(keys, outcomes) if o.status == "ok"]
         elapsed = None
         if job.started_at is not None and job.finished_at is not None:
             elapsed = job.finished_at - job.started_at
@@ -455,16 +421,8 @@ def _secret(authenticated: Any) -> Any:
 
 class CanonicalFileTier(_CanonicalTier):
     """``canonical_fs``: vLLM's ``fs`` tier, as checksummed units of a :class:`FileStore`.
-
-    Options (``secondary_tiers`` entry): ``root_dir`` (created 0700 when missing),
-    ``capacity_bytes`` (least recently used units evicted beyond it; default unbounded, as
-    ``fs``), ``fsync`` (default off: a torn unit is a miss anyway), ``direct_io`` (O_DIRECT
-    where the file system allows it), ``group_shared``; and every tier's:
-    ``n_read_threads`` / ``n_write_threads`` (one pool of their sum; 16 each),
-    ``queue_depth``, ``deadline_s`` (per job; stuck I/O becomes a miss or a failed store),
-    ``authenticated``, ``enable_kv_events``, ``locality``, ``model_name`` (the same on every
-    node whose model path differs).
-    """
+    Options (the ``secondary_tiers`` entry's; README "vLLM tiers"): ``root_dir``,
+    ``capacity_bytes``, ``fsync``, ``direct_io``, ``group_shared`` and every tier's."""
 
     def __init__(
         self,
@@ -497,15 +455,8 @@ class CanonicalFileTier(_CanonicalTier):
 
 class CanonicalRedisTier(_CanonicalTier):
     """``canonical_redis``: primary chunks as checksummed units on a Redis / Valkey server or
-    cluster shared by engines on many nodes (a :class:`RedisStore`).
-
-    Options: ``url`` (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``;
-    credentials in it or in ``redis_options``), ``ttl_s``, ``key_prefix``, ``redis_options``
-    (any other RedisStore argument: TLS files, timeouts, ...) and every tier's (see
-    :class:`CanonicalFileTier`; 4 + 4 threads). The server owns eviction (its ``maxmemory``
-    policy): no removal events. A server that is down is a miss for lookups and loads and a
-    failed store, never an error; it is used again as soon as it answers.
-    """
+    cluster (a :class:`RedisStore`; options ``url``, ``ttl_s``, ``key_prefix``, ``redis_options``).
+    The server owns eviction (no removal events); a server down is a miss, never an error."""
 
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
     _THREADS = 4

@@ -1,16 +1,7 @@
 """CanonicalOffloadingWorker: vLLM's OffloadingWorker, moving bytes with torch.ops.canonical.
 
-Built once per rank from vLLM's ``CanonicalKVCaches`` and ``SharedOffloadRegion``: it
-carves the region's canonical views as vLLM's CPU worker does (one cell per KV tensor,
-consecutive in each chunk row, as large as the largest canonical page of the refs on that
-tensor) and builds one plan per KV-cache group, so a job is one op call per group it
-touches. GPU block ``i`` of a group whose job starts at logical block ``b`` goes to page
-``C[(s + i) // bpc] * bpc + (s + i) % bpc`` (``s = b % bpc``, ``C`` the group's chunks),
-which lives in chunk row ``p // bpc`` at ``cell_offset + (p % bpc) * cell``. Stores write
-the pages this rank is elected for; loads every byte of the local pages. Jobs run on the
-ops core's :class:`~canonical_ops.transfer.TransferQueue`: on CUDA one stream each for
-stores, loads and expedited loads (never queued behind regular loads); on CPU inside
-``submit_*``, reported by the next ``get_finished``.
+Carves vLLM's shared region as its CPU worker does and builds one plan per KV-cache group, so a
+job is one op call per group it touches; jobs run on :class:`~canonical_ops.transfer.TransferQueue`.
 """
 
 from __future__ import annotations
@@ -39,11 +30,7 @@ from canonical_ops.checks import check_ids, check_int
 from canonical_ops.plan import check_kernels, make_plan
 from canonical_ops.transfer import PlanCall, QueuedTransfer, TransferQueue, register_host_memory
 
-__all__ = [
-    "CanonicalOffloadingWorker",
-    "canonical_cell_sizes",
-    "uncertified_refs",
-]
+__all__ = ["CanonicalOffloadingWorker", "canonical_cell_sizes", "uncertified_refs"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +50,8 @@ UNCERTIFIED_REASON = (
 
 
 def _spec_ids(name: str, ids) -> np.ndarray:
-    """A job spec's ids as int64, refusing non-integers (never rounded) and accepting
-    vLLM's integer arrays of any width and shape."""
+    """A job spec's ids (vLLM's integer arrays of any width and shape) as int64; non-integers
+    are refused, never rounded."""
     array = np.asarray(ids)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -106,13 +93,8 @@ def canonical_cell_sizes(kv_caches: CanonicalKVCaches) -> list[int]:
 
 
 def _as_layouts_mapping(mapping, page_stride: int) -> layouts.CanonicalPageMapping:
-    """vLLM's CanonicalPageMapping as ours, its page widened to the tensor's cell.
-
-    The plan places sub-block ``j`` of a chunk at ``j * canonical_page_size``
-    within the layer's area; vLLM places it at ``j * cell`` (the largest
-    canonical page among the refs sharing that tensor), so the page is
-    declared ``cell`` bytes long. Fragments are unchanged.
-    """
+    """vLLM's CanonicalPageMapping as ours, its page widened to the tensor's cell (vLLM places
+    sub-block ``j`` of a chunk at ``j * cell``, the plan at ``j * canonical_page_size``)."""
     fields = [f.name for f in dataclasses.fields(layouts.CopyRun)]
     runs = tuple(layouts.CopyRun(*(int(getattr(r, f)) for f in fields)) for r in mapping.runs)
     return layouts.CanonicalPageMapping(
@@ -161,14 +143,7 @@ class _Direction:
             self.queue.finish(job)
             if job.error is not None:
                 logger.error("canonical %s job %d failed: %s", self.name, job_id, job.error)
-            results.append(
-                TransferResult(
-                    job_id=job_id,
-                    success=job.error is None,
-                    transfer_size=num_bytes,
-                    transfer_time=job.seconds,
-                )
-            )
+            results.append(TransferResult(job_id, job.error is None, num_bytes, job.seconds))
         return results
 
     def wait(self, job_ids) -> None:
@@ -183,13 +158,9 @@ class _Direction:
 
 
 class CanonicalOffloadingWorker(OffloadingWorker):
-    """vLLM ``OffloadingWorker`` whose transfers are ``torch.ops.canonical`` calls.
-
-    ``kv_caches``: this rank's KV tensors (CUDA, or CPU) and per-group refs, each with a
-    canonical mapping; ``blocks_per_chunk`` / ``num_cpu_chunks``: the spec's; the
-    ``mmap_region`` shared by the engine's ranks has its canonical views carved here
-    (once per region object), and on success the worker owns it (:meth:`shutdown`).
-    """
+    """vLLM ``OffloadingWorker`` whose transfers are ``torch.ops.canonical`` calls, over this
+    rank's KV tensors (CUDA or CPU; every ref with a canonical mapping) and the engine's
+    ``mmap_region``, whose views it carves and, once built, owns (:meth:`shutdown`)."""
 
     def __init__(
         self,
@@ -235,11 +206,10 @@ class CanonicalOffloadingWorker(OffloadingWorker):
             for size in self.cell_sizes
         ]
         base = mmap_region.base_tensor
-        row_stride = int(self.views[0].stride(0))  # the region's chunk row stride
+        self.row_bytes = row_stride = int(self.views[0].stride(0))  # the region's chunk row stride
         self.cell_offsets = [
             int(v.storage_offset()) - int(base.storage_offset()) for v in self.views
         ]
-        self.row_bytes = row_stride
         # Every rank's plan addresses this one (num_chunks, row_stride) byte matrix.
         self.cpu_pages = torch.as_strided(
             base.view(torch.uint8), (self.num_cpu_chunks, row_stride), (row_stride, 1), 0
@@ -290,23 +260,17 @@ class CanonicalOffloadingWorker(OffloadingWorker):
 
     def _build_group(self, g: int, refs: Sequence[CanonicalKVCacheRef]) -> _GroupPlan:
         # Identical refs (same tensor, same mapping) would copy the same bytes twice.
-        layers: list[tuple[int, object]] = []
-        for ref in refs:
-            key = (ref.tensor_idx, ref.mapping)
-            if key not in layers:
-                layers.append(key)
+        layers = list(dict.fromkeys((ref.tensor_idx, ref.mapping) for ref in refs))
+        bpc = self.blocks_per_chunk
         kv_lists, plans = [], []
         for first in range(0, len(layers), MAX_LAYERS_PER_PLAN):
             part = layers[first : first + MAX_LAYERS_PER_PLAN]
             mappings = [_as_layouts_mapping(m, self.cell_sizes[t]) for t, m in part]
             kvs = [self.kv_tensors[t] for t, _ in part]
+            offsets = [self.cell_offsets[t] for t, _ in part]
             try:
                 plan = make_plan(
-                    mappings,
-                    kvs,
-                    self.cpu_pages,
-                    pages_per_row=self.blocks_per_chunk,
-                    area_offsets=[self.cell_offsets[t] for t, _ in part],
+                    mappings, kvs, self.cpu_pages, pages_per_row=bpc, area_offsets=offsets
                 )
                 # A transfer of no pairs runs every argument check now, at startup.
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -328,12 +292,9 @@ class CanonicalOffloadingWorker(OffloadingWorker):
     def job_pairs(
         self, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec
     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """Per group touched by a job: (group, GPU block ids, canonical page ids), int64.
-
-        Follows vLLM's enumeration: groups in order, each taking ``group_sizes[g]``
-        GPU blocks and ``ceil((skip + size) / bpc)`` CPU chunks, where
-        ``skip = block_indices[g] % bpc`` sub-blocks of its first chunk are skipped.
-        """
+        """Per group touched by a job: (group, GPU block ids, canonical page ids), int64, in
+        vLLM's enumeration (group ``g`` takes ``group_sizes[g]`` GPU blocks and the chunks they
+        fill after skipping ``block_indices[g] % bpc`` sub-blocks of its first)."""
         if not isinstance(gpu_spec, GPULoadStoreSpec):
             raise TypeError(f"expected a GPULoadStoreSpec, got {type(gpu_spec).__name__}")
         if not isinstance(cpu_spec, BlockIDsLoadStoreSpec):
