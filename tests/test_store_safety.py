@@ -301,3 +301,16 @@ def test_gc_dry_run_lists_and_removes_nothing(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "would evict 4 unit(s)" in out and all(p in out for p in before)
     assert unit_files_of(directory) == before
+
+
+def test_a_missing_parent_never_means_the_working_directory(tmp_path, monkeypatch) -> None:
+    """``dir_fd=None`` resolves against the cwd in every ``os`` call: the safe openers take a
+    missing parent descriptor as a missing entry instead."""
+    from canonical_ops.units.fsutil import Perms, open_dir, open_file
+
+    (tmp_path / "kd").mkdir(mode=0o700)
+    (tmp_path / "0-32.ckv").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert open_dir(None, "kd", Perms()) is None
+    with pytest.raises(FileNotFoundError):
+        open_file(None, "0-32.ckv")

@@ -220,9 +220,14 @@ class Dirs:
             os.close(fd)
 
 
-def open_file(parent: int, name: str, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+def open_file(
+    parent: int | None, name: str, flags: int = os.O_RDONLY
+) -> tuple[int, os.stat_result]:
     """A regular file of ``parent`` and its stat: no symlink followed, no FIFO waited for
-    (``O_NONBLOCK``), :class:`UnsafePath` for anything but a regular file."""
+    (``O_NONBLOCK``), :class:`UnsafePath` for anything but a regular file; a missing
+    ``parent`` is a missing file (never one of the working directory)."""
+    if parent is None:
+        raise FileNotFoundError(errno.ENOENT, f"{name}: its directory is missing")
     flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(name, flags | getattr(os, "O_NOATIME", 0), dir_fd=parent)
