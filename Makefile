@@ -4,6 +4,9 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 VPIP := $(VPY) -m pip
 VLLM_WHEEL_DIR := .cache/vllm-wheel
+# vLLM 0.33 in a venv of its own (test-vllm, bench-vllm); set before any rule names it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(abspath $(VLLM_VENV))/bin/python
 
 # CUDA kernels compile whenever nvcc and a CUDA torch exist (no GPU needed).
 export CUDA_HOME ?= $(wildcard /usr/local/cuda)
@@ -123,8 +126,6 @@ clean:
 # tests/vllm_plugin against real vLLM: its own venv with vllm==0.33.0 from PyPI (which pins torch
 # 2.14.0). canonical-kv is built against that torch in a private copy of the sources
 # ($(VLLM_STAGE)), so the in-tree canonical_ops/_C*.so that .venv uses is never replaced.
-VLLM_VENV ?= .venv-vllm
-VLLM_PY := $(abspath $(VLLM_VENV))/bin/python
 VLLM_STAGE := .cache/vllm-stage
 VLLM_BUILD_INPUTS := setup.py pyproject.toml $(shell find kernels -type f)
 

@@ -284,7 +284,7 @@ class Case:
         return time.perf_counter() - start
 
     def checksum_cached(self) -> float:
-        """xxh3-128 over the payloads in 1 MiB pieces, each brought into the cache first
+        """xxh3-128 over the payloads in ``LOAD_PIECE_BYTES`` pieces, each brought into the cache first
         (untimed): what a load pays, hashing each piece it has just read."""
         piece = memoryview(bytearray(LOAD_PIECE_BYTES))
         elapsed = 0.0
@@ -476,8 +476,9 @@ def markdown(report: dict) -> str:
         "`pool/xN` = the tier through its job pool (what an engine uses) vs `files xN` (the "
         "same threads); `pool/files` = that pool vs the one-thread loop. checksum share = "
         "xxh3-128 alone as a share of the one-thread tier's time, hashed as the tier hashes: "
-        "for stores, the payloads from memory; for loads, 1 MiB pieces already in the cache "
-        "(a load hashes each piece right after reading it). warm = from the page cache "
+        "for stores, the payloads from memory (an upper bound: the tier hashes each piece "
+        f"right after writing it, from the cache); for loads, {LOAD_PIECE_BYTES >> 10} KiB "
+        "pieces already in the cache (a load hashes each piece right after reading it). warm = from the page cache "
         "(memory copies), cold = our files evicted from it first (device reads).",
         "",
         "## Goals",
