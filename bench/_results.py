@@ -141,3 +141,10 @@ def _sm_point_from_json(point: dict) -> dict:
             out[name] = value
     out["methods"] = out.pop("methods")  # after the point's own fields, as when measured
     return out
+
+
+def goal_row(goal: str, measured: float, target: float, *, at_most: bool = False, digits: int = 3):
+    """One row of a benchmark's ``goals`` list (what bench/summary.py prints): met when
+    ``measured >= target`` (``at_most``: when ``<=``)."""
+    met = measured <= target if at_most else measured >= target
+    return dict(goal=goal, measured=round(measured, digits), target=target, met=bool(met))

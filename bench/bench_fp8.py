@@ -43,6 +43,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from _results import goal_row  # noqa: E402
+
 import canonical_ops  # noqa: E402
 from layouts import (  # noqa: E402
     KVScales,
@@ -162,15 +164,11 @@ def goals(report: dict) -> list[dict]:
     for row in report["results"]:
         for direction in ("store", "load"):
             measured = row[direction]["per_byte_fp8_vs_bf16"]
-            out.append(
-                dict(
-                    goal=f"fp8 {direction} GB/s >= {TARGET}x bf16 (same bytes); {row['case']}, "
-                    f"TP={TP} rank, {report['layers']} layers x {report['blocks']} blocks",
-                    measured=round(measured, 3),
-                    target=TARGET,
-                    met=measured >= TARGET,
-                )
+            goal = (
+                f"fp8 {direction} GB/s >= {TARGET}x bf16 (same bytes); {row['case']}, "
+                f"TP={TP} rank, {report['layers']} layers x {report['blocks']} blocks"
             )
+            out.append(goal_row(goal, measured, TARGET))
     return out
 
 

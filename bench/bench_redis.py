@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "tests"))
 
+from _results import goal_row  # noqa: E402
 from helpers.redis_server import RedisServer  # noqa: E402
 
 from canonical_ops.units import (  # noqa: E402
@@ -220,14 +221,8 @@ def goals(models: dict) -> list[dict]:
     out = []
     for name, r in models.items():
         for what, t in r["throughput"].items():
-            out.append(
-                {
-                    "goal": f"{name} {what}: tier / redis-py pipelined, median >= {GOAL}",
-                    "measured": round(t["ratio_median"], 4),
-                    "target": GOAL,
-                    "met": bool(t["ratio_median"] >= GOAL),
-                }
-            )
+            goal = f"{name} {what}: tier / redis-py pipelined, median >= {GOAL}"
+            out.append(goal_row(goal, t["ratio_median"], GOAL, digits=4))
     return out
 
 

@@ -70,6 +70,7 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _results import goal_row
 from bench_read_hash import on_threads
 
 from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
@@ -438,23 +439,14 @@ def goals(report: dict) -> list[dict]:
                 threads = f" ({report['threads']} threads each)" if plain.endswith("xN") else ""
                 measured = row[key]
                 out.append(
-                    dict(
-                        goal=f"{op}: {tier} >= {target}x {plain}{threads}; {case}",
-                        measured=round(measured, 3),
-                        target=target,
-                        met=measured >= target,
+                    goal_row(
+                        f"{op}: {tier} >= {target}x {plain}{threads}; {case}", measured, target
                     )
                 )
         for op in report["ops"]:
             share = row[f"{op} checksum share (tier 1T)"]
-            out.append(
-                dict(
-                    goal=f"checksum <= {CHECKSUM_SHARE_TARGET:.0%} of {op} (tier 1T); {case}",
-                    measured=round(share, 3),
-                    target=CHECKSUM_SHARE_TARGET,
-                    met=share <= CHECKSUM_SHARE_TARGET,
-                )
-            )
+            goal = f"checksum <= {CHECKSUM_SHARE_TARGET:.0%} of {op} (tier 1T); {case}"
+            out.append(goal_row(goal, share, CHECKSUM_SHARE_TARGET, at_most=True))
     return out
 
 

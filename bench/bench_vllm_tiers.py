@@ -50,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _results import goal_row
 from bench_store import write_report
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.config import (
@@ -279,15 +280,8 @@ def goals(report: dict) -> list[dict]:
         for op, target in TARGETS.items():
             vllm_best = min(modes[m][op]["best_s"] for m in modes if m.startswith("vllm"))
             ratio = vllm_best / modes["canonical_fs"][op]["best_s"]
-            out.append(
-                dict(
-                    goal=f"{op}: canonical_fs >= {target}x vLLM fs (better of O_DIRECT, "
-                    f"buffered); {row['model']}",
-                    measured=round(ratio, 3),
-                    target=target,
-                    met=ratio >= target,
-                )
-            )
+            goal = f"{op}: canonical_fs >= {target}x vLLM fs (better of O_DIRECT, buffered)"
+            out.append(goal_row(f"{goal}; {row['model']}", ratio, target))
     return out
 
 
