@@ -500,7 +500,7 @@ class FileStore(UnitStore):
         try:
             qdir = self._dirs.get(QUARANTINE_DIR, create=True)
             parent = found.dir_fd if found.dir_fd >= 0 else (keydir := self._dirs.keydir(found.kd))
-            if parent is not None and unitfile.quarantine(
+            if None not in (qdir, parent) and unitfile.quarantine(
                 qdir, parent, found, ident, self.quarantine_limit
             ):
                 self._count("quarantined")
