@@ -314,3 +314,19 @@ def test_a_missing_parent_never_means_the_working_directory(tmp_path, monkeypatc
     assert open_dir(None, "kd", Perms()) is None
     with pytest.raises(FileNotFoundError):
         open_file(None, "0-32.ckv")
+
+
+@pytest.mark.parametrize("group_shared", [False, True])
+def test_a_missing_root_and_its_parents_are_created_private(tmp_path, group_shared) -> None:
+    """``--store /tmp/a/b/kv``: every directory the store makes is 0700 (0770 group-shared),
+    whatever the umask, the parents too (``os.makedirs`` gives those 0777 - umask)."""
+    old = os.umask(0o002)
+    try:
+        root = tmp_path / "a" / "b" / "kv"
+        with FileStore(root, small_namespace(8), group_shared=group_shared):
+            pass
+    finally:
+        os.umask(old)
+    want = 0o770 if group_shared else 0o700
+    for directory in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(directory.stat().st_mode) == want, directory

@@ -14,7 +14,7 @@ from layouts import RankContext
 
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
-from ..units.fsutil import Perms
+from ..units.fsutil import Perms, make_dirs
 from .pages import HostPageCodec
 
 __all__ = ["FragmentStaging", "default_staging_dir", "private_directory"]
@@ -33,7 +33,7 @@ def private_directory(path: str) -> str:
     """``path`` as a directory only this user can write (created 0700 when missing): refused
     (:class:`~canonical_ops.units.fsutil.UnsafePath`) when a symlink, not a directory, another
     user's or writable by group or others, as someone who made it first could plant shares."""
-    os.makedirs(path, 0o700, exist_ok=True)
+    make_dirs(path, 0o700)
     Perms().check(os.lstat(path), repr(path))
     return path
 

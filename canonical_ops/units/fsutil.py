@@ -28,6 +28,7 @@ __all__ = [
     "StoreRootError",
     "UnsafePath",
     "clean_temps",
+    "make_dirs",
     "open_dir",
     "open_file",
     "open_root",
@@ -90,12 +91,30 @@ class Perms:
             )
 
 
+def make_dirs(path: str, mode: int) -> None:
+    """Create ``path`` and its missing parents, each with exactly ``mode`` (past the umask:
+    ``os.makedirs`` would leave the parents it makes readable by everyone)."""
+    missing, parent = [], os.path.abspath(path)
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+
+
 def open_root(path: str, perms: Perms) -> int:
-    """The operator's root directory (symlinks in its path followed), created 0700 when
-    missing. One that others may write must be sticky (as /tmp), so that no one else can
-    rename or remove what the store creates in it."""
-    with contextlib.suppress(FileExistsError):
-        os.makedirs(path, perms.dir_mode)
+    """The operator's root directory (symlinks in its path followed), created with its
+    missing parents 0700 (group_shared: 0770) when missing. One that others may write must
+    be sticky (as /tmp), so that no one else can rename or remove what the store creates."""
+    make_dirs(path, perms.dir_mode)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     mode = os.fstat(fd).st_mode
     if mode & 0o002 and not mode & stat.S_ISVTX:
