@@ -111,6 +111,27 @@ def test_a_missing_password_says_how_to_give_it(server) -> None:
     assert "HELLO" not in message and "\n" not in message
 
 
+def test_the_password_from_the_environment_keeps_it_out_of_every_config(
+    server, monkeypatch, capsys
+) -> None:
+    """vLLM logs its --kv-transfer-config at start-up: a password in the URL or in
+    redis_options would be printed there. CANONICAL_KV_REDIS_PASSWORD keeps it out."""
+    monkeypatch.setenv("CANONICAL_KV_REDIS_PASSWORD", SECRET)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    with RedisStore(url, NS, socket_timeout_s=0.5, retries=0) as store:
+        assert store.store(b"env", 0, row(NS, 2), 0).ok
+        out = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(b"env", 0, LAYERS, out).ok and np.array_equal(out, row(NS, 2))
+        assert_hidden(repr(store) + store.url)
+    assert store_cli("stats", url, as_json=False) == 0
+    assert_hidden(capsys.readouterr().out)
+    monkeypatch.setenv("CANONICAL_KV_REDIS_PASSWORD", "not-the-password")
+    with pytest.raises(RedisStoreError, match="authentication failed"):
+        RedisStore(url, NS)
+    with RedisStore(f"redis://:{SECRET}@127.0.0.1:{server.port}/0", NS) as store:  # URL first
+        assert store.lookup([b"env"], 0, LAYERS) == 1
+
+
 def test_an_unreachable_server_says_what_to_do() -> None:
     port = free_port()
     with pytest.raises(RedisStoreError) as info:

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -27,6 +28,8 @@ from .redis_url import RedisURL
 from .redis_wire import PACKER, READ_BUFFER, Command, _Parts, direct_exchange
 
 _log = logging.getLogger(__package__ + ".redis_store")
+
+ENV_PASSWORD = "CANONICAL_KV_REDIS_PASSWORD"  # the password when neither URL nor caller gives one
 
 # Server unreachable, slow, or refusing us right now: the breaker counts these.
 _UNAVAILABLE = (
@@ -85,7 +88,9 @@ def client_options(
     client_kwargs: Mapping[str, Any] | None = None,
     connect_timeout_s: float = 5.0,
 ) -> dict[str, Any]:
-    """redis-py keyword arguments: the URL's (credentials apart), then the explicit ones."""
+    """redis-py keyword arguments: the URL's (credentials apart), then the explicit ones; the
+    password: ``password``, else the URL's, else ``$CANONICAL_KV_REDIS_PASSWORD`` (engines log
+    their configuration, URLs included: vLLM prints ``--kv-transfer-config`` at start-up)."""
     scheme = url.scheme.replace("+cluster", "")
     try:  # the address carries no credentials: redis-py's messages cannot leak them
         options = redis.connection.parse_url(scheme + url.address[len(url.scheme) :])
@@ -96,7 +101,8 @@ def client_options(
     if scheme == "unix":
         base = redis.connection.UnixDomainSocketConnection
     options["connection_class"] = _packing(base)
-    explicit = {"username": username or url.username, "password": password or url.password}
+    password = password or url.password or os.environ.get(ENV_PASSWORD) or None
+    explicit = {"username": username or url.username, "password": password}
     options.update({k: v for k, v in explicit.items() if v is not None})
     if db is not None:
         options["db"] = db
@@ -180,7 +186,7 @@ def start_error(url: str, has_password: bool, error: BaseException) -> tuple[str
         marker in text for marker in ("NOAUTH", "HELLO must be called", "Authentication required")
     ):
         if not has_password:
-            why = "requires a password: put it in the URL or pass password=..."
+            why = f"requires a password: put it in the URL or pass password=... (or {ENV_PASSWORD})"
             return f"url: the server at {url!r} {why}", False
         why = "(wrong password or unknown user)"
         return f"url: authentication failed at {url!r} {why}: {error}", False
