@@ -144,8 +144,8 @@ void derive_runs(CpuPlan* plan) {
       }
     }
     if (!joins) {
-      runs.push_back(FragmentRun{rec[kFragmentLayer], local, canonical, rec[kFragmentBytes], 1, 0,
-                                 0, f});
+      runs.push_back(
+          FragmentRun{rec[kFragmentLayer], local, canonical, rec[kFragmentBytes], 1, 0, 0, f});
     }
     last_local = local;
     last_canonical = canonical;
@@ -212,8 +212,8 @@ std::shared_ptr<const CpuPlan> verified_cpu_plan(const at::Tensor& plan) {
 // validate_call, and a walker is only moved to items inside the call.
 class RunWalker {
  public:
-  RunWalker(const CpuPlan& plan, uint8_t* const* layer_base, uint8_t* pages,
-            const int64_t* blocks, const int64_t* page_ids, bool store)
+  RunWalker(const CpuPlan& plan, uint8_t* const* layer_base, uint8_t* pages, const int64_t* blocks,
+            const int64_t* page_ids, bool store)
       : plan_(plan),
         view_{plan.words.data()},
         layer_base_(layer_base),

@@ -112,7 +112,9 @@ class Prefetcher {
         source_lines_(!store || large_),
         items_(prefetch_items(bytes_per_pair, num_fragments, store)),
         lines_ahead_(source_lines_ ? items_ : 0),
-        page_ahead_(store ? items_ : large_ ? 0 : kLoadPagePrefetchFactor * items_) {}
+        page_ahead_(store    ? items_
+                    : large_ ? 0
+                             : kLoadPagePrefetchFactor * items_) {}
 
   // Items ahead of the copy to feed lines() and page(); 0: none.
   int64_t lines_ahead() const { return lines_ahead_; }
