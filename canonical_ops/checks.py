@@ -1,6 +1,6 @@
-"""The one checker of integer arguments and id arrays across canonical_ops, so every entry point
-agrees: ``TypeError`` for a non-integer, ``ValueError`` (or a subclass) out of range, naming the
-argument and the expected value."""
+"""The one checker of typed, boolean and integer arguments and id arrays across canonical_ops, so
+every entry point agrees: ``TypeError`` for a wrong type, ``ValueError`` (or a subclass) out of
+range, naming the argument and the expected value."""
 
 from __future__ import annotations
 
@@ -14,7 +14,21 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["check_ids", "check_int", "check_seconds"]
+__all__ = ["check_bool", "check_ids", "check_int", "check_seconds", "check_type"]
+
+
+def check_type(name: str, value: Any, cls: type) -> Any:
+    """``value`` if it is a ``cls``, else ``TypeError`` naming ``name``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` (a Python or numpy bool) as a bool, else ``TypeError`` naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return bool(value)
 
 
 def _describe_range(minimum: int | None, maximum: int | None) -> str:

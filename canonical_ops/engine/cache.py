@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_int, check_seconds
+from ..checks import check_int, check_seconds, check_type
 from ..units.jobs import IOJob
 from ..units.namespace import StoreNamespace
 from ..units.tier import LoadItem, StoreItem
@@ -173,10 +173,8 @@ class StageCache:
         *,
         names: Sequence[str] | None = None,
     ) -> None:
-        if not isinstance(manager, PageManager):
-            raise TypeError(f"manager: expected a PageManager, got {type(manager).__name__}")
-        if not isinstance(namespace, StoreNamespace):
-            raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+        check_type("manager", manager, PageManager)
+        check_type("namespace", namespace, StoreNamespace)
         if not isinstance(layers, (tuple, list)) or len(layers) != 2:
             raise TypeError(f"layers: expected (first, end), got {layers!r}")
         first = check_int("layers[0]", layers[0], minimum=0, maximum=namespace.num_layers - 1)
@@ -342,8 +340,8 @@ class StageCache:
         hashes = self._hashes(hashes)
         if found is None:
             found = self.lookup(hashes, timeout=timeout)
-        elif not isinstance(found, TierLookup):
-            raise TypeError(f"found: expected a TierLookup, got {type(found).__name__}")
+        else:
+            check_type("found", found, TierLookup)
         if found.total > len(hashes):
             raise ValueError(
                 f"found: covers {found.total} blocks, more than the {len(hashes)} hashes given"

@@ -20,7 +20,7 @@ from layouts.spec import dtype_name
 from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mappings
 
 from .. import ops
-from ..checks import check_int
+from ..checks import check_int, check_type
 from ..plan import make_plan
 from ..units import fsutil
 from ..units.namespace import (
@@ -61,8 +61,7 @@ def state_group_mappings(
     """Every state layer's verified mappings at every rank of ``ctx``'s group;
     ``tensor_bytes[l]`` (each state tensor's bytes per slot on a rank) is needed for a
     layer that falls back to the opaque mapping."""
-    if not isinstance(ctx, RankContext):
-        raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+    check_type("ctx", ctx, RankContext)
     return [
         derive_state_group_mappings(
             spec,
@@ -130,8 +129,7 @@ def state_shard(
     conv segment's own ``1/tp`` of its units side by side (Mamba2's single group whole on
     every rank), the SSM heads split. ``full[segment]``: each segment of
     ``spec.canonical_layout()`` unsharded, ``(outer, channels, inner)``. For tests and demos."""
-    if not isinstance(spec, StateSpec):
-        raise TypeError(f"spec: expected a StateSpec, got {type(spec).__name__}")
+    check_type("spec", spec, StateSpec)
     tp = check_int("tp", tp, minimum=1)
     rank = check_int("rank", rank, minimum=0, maximum=tp - 1)
     parts: list[list[np.ndarray]] = [[], []]
@@ -168,8 +166,7 @@ class StateWorker:
         ctx: RankContext,
         rows: torch.Tensor,
     ) -> None:
-        if not isinstance(ctx, RankContext):
-            raise TypeError(f"ctx: expected a RankContext, got {type(ctx).__name__}")
+        check_type("ctx", ctx, RankContext)
         if isinstance(state_caches, torch.Tensor) or not len(state_caches):
             raise ValueError("state_caches: expected one (conv, ssm) pair per state layer")
         if len(specs) != len(state_caches):
@@ -255,8 +252,7 @@ def explain_state_miss(
     """The error naming why this reader's state units are stored in FileStore ``root`` but
     unreadable here (same model, another topology, a state layer that cannot be resharded),
     or None. Only this user's private directories and regular files are read."""
-    if not isinstance(namespace, StoreNamespace):
-        raise TypeError(f"namespace: expected a StoreNamespace, got {type(namespace).__name__}")
+    check_type("namespace", namespace, StoreNamespace)
     mine = namespace.state_units()
     perms = fsutil.Perms()
     try:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..checks import check_int
+from ..checks import check_int, check_type
 from ..units.token_keys import ROOT_KEY, chain_keys
 
 __all__ = ["TokenKeyIndex", "install_hash_observer", "observed_token_ids"]
@@ -96,8 +96,7 @@ def _notify(token_ids: Any, prior: Any, page_size: Any, result: Any) -> None:
 def install_hash_observer(index: TokenKeyIndex, utils_module: Any = None) -> None:
     """Feed ``index`` (kept weakly) from SGLang's storage hashing: wraps ``get_hash_str`` of
     ``utils_module`` (default ``sglang.srt.mem_cache.utils``) once per process."""
-    if not isinstance(index, TokenKeyIndex):
-        raise TypeError(f"index: expected a TokenKeyIndex, got {type(index).__name__}")
+    check_type("index", index, TokenKeyIndex)
     if utils_module is None:
         import sglang.srt.mem_cache.utils as utils_module
     with _install_lock:

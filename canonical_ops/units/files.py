@@ -21,10 +21,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import _unitio
-from ..checks import check_int, check_seconds
+from ..checks import check_bool, check_int, check_seconds, check_type
 from . import fsutil, unitfile
 from .fsutil import Dirs, Perms, StoreRootError, UnsafePath, open_file
-from .geometry import check_bool, check_type
 from .jobs import JobOutcome, JobPool, current_job
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy

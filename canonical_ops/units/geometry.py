@@ -20,9 +20,9 @@ from layouts.quant import QUANTISED_KV_DTYPES, derive_scaled_group_mappings, sca
 from layouts.spec import dtype_name
 from layouts.state import CONV_LAYOUTS, STATE_KINDS, StateSpec, state_certification_failure
 
-from ..checks import check_int
+from ..checks import check_bool, check_int, check_type
 
-__all__ = ["LayerGeometry", "StateGeometry", "StateReshardError", "canonical_json", "check_type"]
+__all__ = ["LayerGeometry", "StateGeometry", "StateReshardError", "canonical_json"]
 
 MAX_PAGE_BYTES = 1 << 40  # bound on what a namespace.json may claim
 _UNKNOWN = "unknown"  # what an opaque layer built from bytes alone does not know
@@ -61,13 +61,6 @@ def canonical_json(value: Any, name: str = "value") -> str:
     )
 
 
-def check_type(name: str, value: Any, cls: type) -> Any:
-    """``value`` if it is a ``cls``, else ``TypeError`` naming ``name``."""
-    if not isinstance(value, cls):
-        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
-    return value
-
-
 def _check_str(name: str, value: Any, *, empty: bool = False) -> str:
     if not isinstance(value, str) or (not empty and not value):
         raise TypeError(f"{name}: expected {'a' if empty else 'a non-empty'} str, got {value!r}")
@@ -77,13 +70,6 @@ def _check_str(name: str, value: Any, *, empty: bool = False) -> str:
 def _choice(name: str, value: Any, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` (a Python or numpy bool) as a bool, else ``TypeError`` naming ``name``."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {value!r}")
-    return bool(value)
 
 
 def _flag(obj: Any, name: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from layouts import KVScales, LayerSpec, RankContext, canonical_format_id
 
-from ..checks import check_int
+from ..checks import check_int, check_type
 from .auth import StoreSecret
 from .geometry import (
     LayerGeometry,
@@ -31,7 +31,6 @@ from .geometry import (
     _choice,
     _strict,
     canonical_json,
-    check_type,
 )
 
 __all__ = [

@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_int, check_seconds
-from .geometry import check_bool, check_type
+from ..checks import check_bool, check_int, check_seconds, check_type
 from .jobs import JobOutcome, JobPool
 from .namespace import StoreNamespace
 from .policy import cover

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_int, check_seconds
-from .geometry import check_type
+from ..checks import check_int, check_seconds, check_type
 from .jobs import IOJob, JobOutcome, JobPool, run_inline
 from .namespace import StoreNamespace
 from .unit import MAX_POSITION, as_byte_view, key_digest, normalize_key, payload_view

@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..checks import check_int
-from .geometry import check_type
+from ..checks import check_int, check_type
 from .namespace import StoreNamespace
 
 __all__ = [

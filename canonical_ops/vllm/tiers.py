@@ -36,7 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from layouts import RankContext
 
-from ..checks import check_int, check_seconds
+from ..checks import check_bool, check_int, check_seconds
 from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
 from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore
 
@@ -404,9 +404,7 @@ def _check_options(name: str, value: Any, refused: frozenset[str]) -> dict[str, 
 
 def _secret(authenticated: Any) -> Any:
     """The shared secret of an authenticated tier (from the environment), or None."""
-    if not isinstance(authenticated, bool):
-        raise TypeError(f"authenticated: expected a bool, got {authenticated!r}")
-    if not authenticated:
+    if not check_bool("authenticated", authenticated):
         return None
     from ..units import StoreSecret
 
