@@ -88,7 +88,8 @@ class StoreNamespace:
     of the model (all pipeline stages); ``states``: every state layer of a hybrid model
     (empty otherwise, then not described); ``unit_kind``: "kv" (one block's pages of
     ``layers``) or "state" (one request's slots of ``states``); ``key_id``/``secret``:
-    an authenticated namespace's (:meth:`authenticated`). A unit of layers ``[first,
+    an authenticated namespace's (:meth:`authenticated`); ``key_scheme``: the unit keys'
+    scheme when every engine shares it (:meth:`shared_prefix`; "" : the engine's own). A unit of layers ``[first,
     end)`` is their canonical pages in layer order, :meth:`layer_bytes` long.
     """
 
@@ -99,6 +100,7 @@ class StoreNamespace:
     states: tuple[StateGeometry, ...] = ()
     unit_kind: str = "kv"
     key_id: str = ""
+    key_scheme: str = ""
     secret: Any = field(default=None, repr=False, compare=False)
     _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
@@ -126,6 +128,12 @@ class StoreNamespace:
         _check_str("key_id", self.key_id, empty=True)
         if self.key_id and not re.fullmatch(r"[0-9a-f]{32}", self.key_id):
             raise ValueError(f"key_id: expected 32 lowercase hex characters, got {self.key_id!r}")
+        _check_str("key_scheme", self.key_scheme, empty=True)
+        if self.key_scheme and not re.fullmatch(r"[!-~]{1,200}", self.key_scheme):
+            raise ValueError(
+                f"key_scheme: expected at most 200 printable ASCII characters, got "
+                f"{self.key_scheme!r:.80}"
+            )
         if self.secret is not None and getattr(self.secret, "key_id", None) != self.key_id:
             raise ValueError("secret: expected a StoreSecret whose key_id is the namespace's")
         object.__setattr__(self, "states", states)
@@ -141,6 +149,36 @@ class StoreNamespace:
         its description carries the key's id, so its digest is another."""
         check_type("secret", secret, StoreSecret)
         return replace(self, key_id=secret.key_id, secret=secret)
+
+    def shared_prefix(self, key_scheme: Any) -> StoreNamespace:
+        """The namespace every engine uses for this model's KV keyed by ``key_scheme`` (a
+        ``token_keys.TokenKeyScheme``): this one with the scheme described, so the same model,
+        format, dtype / quantisation, layer geometries and tokens per unit give one digest
+        whichever engine writes. ValueError (why sharing cannot work) for state units,
+        opaque layers, layers of different tokens per page, or a page that is not a whole
+        number of the scheme's hash blocks."""
+        describe = getattr(key_scheme, "describe", None)
+        unit_tokens = getattr(key_scheme, "check_unit_tokens", None)
+        if describe is None or unit_tokens is None:
+            raise TypeError(
+                f"key_scheme: expected a token_keys.TokenKeyScheme, got {type(key_scheme).__name__}"
+            )
+        if self.unit_kind != "kv" or self.states:
+            raise ValueError("shared prefix: expected a KV namespace of attention layers only")
+        if self.topology_bound:
+            raise ValueError(
+                "shared prefix: opaque layers are read at their writer's topology only"
+            )
+        tokens = {g.tokens_per_page for g in self.layers}
+        if len(tokens) != 1:
+            raise ValueError(f"shared prefix: layers of different tokens per page {sorted(tokens)}")
+        unit_tokens(tokens.pop())
+        return replace(self, key_scheme=describe())
+
+    @property
+    def unit_tokens(self) -> int:
+        """Tokens of one KV unit (every layer's tokens per page; the first layer's)."""
+        return self.layers[0].tokens_per_page
 
     def state_units(self) -> StoreNamespace:
         """This model's namespace of state units (``unit_kind="state"``)."""
@@ -232,6 +270,8 @@ class StoreNamespace:
             out["unit_kind"] = self.unit_kind
         if self.key_id:
             out["key_id"] = self.key_id
+        if self.key_scheme:
+            out["key_scheme"] = self.key_scheme
         return out
 
     @classmethod
@@ -239,14 +279,21 @@ class StoreNamespace:
         """Rebuild a namespace from :meth:`describe`'s output (a ``namespace.json``);
         ``ValueError`` on anything missing, unknown or inconsistent."""
         fields_ = ("schema", "format_id", "model", "kv_quant", "num_layers", "layers")
-        d = _strict(desc, "namespace", fields_, ("states", "unit_kind", "key_id"))
+        optional = ("states", "unit_kind", "key_id", "key_scheme")
+        d = _strict(desc, "namespace", fields_, optional)
         states, layers = d.get("states", []), d["layers"]
         if "states" in d and not (isinstance(states, list) and 0 < len(states) <= MAX_LAYERS):
             raise ValueError(
                 f"states: expected a non-empty list of at most {MAX_LAYERS} state layers"
             )
-        if d.get("unit_kind", "state") == "kv" or d.get("key_id", "x") == "":
-            raise ValueError("unit_kind, key_id: expected them absent for their defaults")
+        if (
+            d.get("unit_kind", "state") == "kv"
+            or d.get("key_id", "x") == ""
+            or d.get("key_scheme", "x") == ""
+        ):
+            raise ValueError(
+                "unit_kind, key_id, key_scheme: expected them absent for their defaults"
+            )
         if d["schema"] != NAMESPACE_SCHEMA:
             raise ValueError(f"schema: expected {NAMESPACE_SCHEMA!r}, got {d['schema']!r}")
         model = _strict(d["model"], "model", ("name", "revision", "extra"))
@@ -259,6 +306,7 @@ class StoreNamespace:
         layers = [LayerGeometry.from_description(g, f"layers[{i}]") for i, g in enumerate(layers)]
         states = [StateGeometry.from_description(g, f"states[{i}]") for i, g in enumerate(states)]
         rest = (layers, states, d.get("unit_kind", "kv"), d.get("key_id", ""))
+        rest += (d.get("key_scheme", ""),)
         try:
             return cls(d["format_id"], ModelIdentity(**model), d["kv_quant"], *rest)
         except TypeError as error:

@@ -1,29 +1,51 @@
-"""Store keys of token blocks: one engine-independent chained hash over token ids.
+"""Store keys of token blocks: the one key scheme every engine computes for the same tokens.
 
-Every engine names a block by its own prefix hash; a store shared by engines needs a key
-each can compute from what they all have, the token ids. Version 1, for whole blocks of
-``B`` ids (the namespace's tokens per page), with ``LE64(t)`` a token id as 8 bytes::
+Version 2 (:class:`TokenKeyScheme`) is vLLM's own prefix-cache block hash, computed from token
+ids by this module (the definition, not vLLM's code), so a unit vLLM's tiers store under its
+offload key is found by SGLang and the standalone engine, and the reverse. For hash blocks of
+``B_h`` ids (vLLM's block size) and ``seed`` (``PYTHONHASHSEED`` when set, else
+``"vllm-none-hash"``, vLLM's rule for its cryptographic algorithms)::
+
+    none_hash = H(seed)                              # the parent of a sequence's first block
+    hash[i]   = H((hash[i-1], tuple(t[i*B_h : (i+1)*B_h]), None))
+
+``H`` is ``"sha256"``: SHA-256 of the stdlib pickle (protocol 5) of its argument, or
+``"sha256_cbor"``: SHA-256 of its canonical CBOR (:func:`cbor_encode`). The ``None`` is vLLM's
+``extra_keys`` of a block without LoRA, multimodal input, cache salt or prompt embeddings (with
+any of them vLLM's hashes differ: a miss, never a wrong load). A unit of ``U = m * B_h``
+tokens (``U``: the namespace's tokens per page) is named by vLLM's offload key of its LAST
+hash block, group 0, ``hash + (0).to_bytes(4, "big")``, padded by :func:`store_key` as the
+vLLM tiers store it. Test vectors: :data:`TEST_VECTORS_V2` (pinned against vLLM 0.33's own
+functions in ``tests/vllm_plugin/test_shared_prefix.py`` and re-derived without vLLM in
+``tests/test_token_keys_v2.py``).
+
+Version 1 (:func:`block_keys`, :func:`chain_keys`) is the former chain, kept only for the
+demo's keys until it moves to version 2; no adapter uses it::
 
     root    = SHA-256(b"canonical-kv.token-keys.v1")
     key[-1] = root, or SHA-256(root || b"salt" || salt) for a tenant's salt (bytes)
     key[i]  = SHA-256(key[i-1] || LE64(t[i*B]) || ... || LE64(t[i*B + B - 1]))
 
-``key[i]`` (32 bytes) names the prefix ``t[: (i + 1) * B]``. The block size is not hashed:
-the namespace fixes it. Test vector: ``block_keys([1, 2, 3, 4], 2)[1].hex() ==
-TEST_VECTOR_HEX`` (pinned by ``tests/sglang_plugin/test_token_keys.py``).
+Test vector v1: ``block_keys([1, 2, 3, 4], 2)[1].hex() == TEST_VECTOR_HEX``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
+import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..checks import check_int
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "TEST_VECTOR_HEX", "block_keys", "chain_keys", "root_key"]
+__all__ = ["DEFAULT_SEED", "HASH_ALGORITHMS", "KEY_SCHEME_V2", "TEST_VECTORS_V2", "TokenKeyScheme"]
+__all__ += ["cbor_encode", "offload_key_of", "store_key"]
+__all__ += ["KEY_BYTES", "ROOT_KEY", "TEST_VECTOR_HEX", "block_keys", "chain_keys", "root_key"]
 
 KEY_BYTES = 32
 ROOT_KEY = hashlib.sha256(b"canonical-kv.token-keys.v1").digest()
@@ -88,3 +110,178 @@ def block_keys(token_ids: Any, block_tokens: int, *, salt: bytes | None = None) 
     """Store keys of a sequence's whole blocks, first block first: ``block_keys(t, B)[i]``
     names the prefix ``t[: (i + 1) * B]`` (defined in the module docstring)."""
     return chain_keys(root_key(salt), token_ids, block_tokens)
+
+
+# ---------------------------------------------------------------------------- version 2
+
+KEY_SCHEME_V2 = "vllm-block-hash.v1"  # the scheme's name in a namespace (with H and B_h)
+HASH_ALGORITHMS = ("sha256", "sha256_cbor")  # vLLM's reproducible (cryptographic) ones
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of NONE_HASH without PYTHONHASHSEED
+_PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL of the Pythons vLLM 0.33 runs on
+_STORE_KEY_BYTES = 96  # a unit's header is then 192 bytes: its payload starts on a cache line
+_GROUP_0 = (0).to_bytes(4, "big")
+
+# (algorithm, B_h, seed, token ids, hex of the last whole block's hash): what vLLM 0.33's
+# hash_block_tokens gives (checked against it in tests/vllm_plugin/test_shared_prefix.py).
+TEST_VECTORS_V2 = (
+    (
+        "sha256",
+        2,
+        DEFAULT_SEED,
+        (1, 2, 3, 4),
+        "15b2160580ca3cdf7f42fb9f5651e2bed7fb1014f46e7e9c86c305f088ecb635",
+    ),
+    (
+        "sha256_cbor",
+        2,
+        DEFAULT_SEED,
+        (1, 2, 3, 4),
+        "9ddf6cae9c4b53339646052ea592dabccb20f38eb4bb35a61b5caad749f40286",
+    ),
+    (
+        "sha256",
+        4,
+        "0",
+        (0, 23, 2**31, 2**40 + 7, 128255, 1, 5, 9),
+        "c0d6a9f7900afc522bf551eeba19abf7c08441a5b23722d088e25bd5b2a9b2ab",
+    ),
+    (
+        "sha256_cbor",
+        4,
+        "0",
+        (0, 23, 24, 255, 256, 65535, 65536, 2**32),
+        "a53a10d5f2a9f1e5d9666875e897a37d81571b13a94e1f219a23973a075a5645",
+    ),
+)
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    if value < 24:
+        return bytes([major << 5 | value])
+    for extra, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if value < 1 << (8 * struct.calcsize(fmt)):
+            return bytes([major << 5 | extra]) + struct.pack(fmt, value)
+    raise ValueError(f"value: expected an integer below 2**64 for CBOR, got {value}")
+
+
+def cbor_encode(value: Any) -> bytes:
+    """Canonical CBOR (RFC 8949 core deterministic encoding) of None, int, bytes, str and
+    tuples / lists of them: what ``sha256_cbor`` hashes."""
+    if value is None:
+        return b"\xf6"
+    if isinstance(value, bool):
+        raise TypeError("value: bool is not a token id or hash")
+    if isinstance(value, int):
+        return _cbor_head(0, value) if value >= 0 else _cbor_head(1, -1 - value)
+    if isinstance(value, (bytes, bytearray)):
+        return _cbor_head(2, len(value)) + bytes(value)
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+        return _cbor_head(3, len(data)) + data
+    if isinstance(value, (tuple, list)):
+        return _cbor_head(4, len(value)) + b"".join(cbor_encode(item) for item in value)
+    raise TypeError(f"value: expected None, int, bytes, str or a tuple, got {type(value).__name__}")
+
+
+def _hash_sha256(value: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=_PICKLE_PROTOCOL)).digest()
+
+
+def _hash_sha256_cbor(value: Any) -> bytes:
+    return hashlib.sha256(cbor_encode(value)).digest()
+
+
+_HASHES = {"sha256": _hash_sha256, "sha256_cbor": _hash_sha256_cbor}
+
+
+def store_key(offload_key: bytes) -> bytes:
+    """The store's key of a unit named by vLLM offload key ``offload_key``: padded to 96 bytes,
+    its length in the last byte (a longer key gets one 0 byte appended), so a unit's payload
+    starts on a cache line (warm loads 5-7% faster)."""
+    n = len(offload_key)
+    if n < _STORE_KEY_BYTES:
+        return offload_key + bytes(_STORE_KEY_BYTES - 1 - n) + bytes([n])
+    return offload_key + b"\0"
+
+
+def offload_key_of(key: bytes) -> bytes:
+    """The offload key a :func:`store_key` was made from."""
+    return key[: key[-1]] if len(key) == _STORE_KEY_BYTES else key[:-1]
+
+
+def _env_seed() -> str:
+    seed = os.getenv("PYTHONHASHSEED")
+    return DEFAULT_SEED if seed is None else seed
+
+
+@dataclass(frozen=True)
+class TokenKeyScheme:
+    """Key scheme version 2 (module docstring): ``algorithm`` (:data:`HASH_ALGORITHMS`),
+    ``hash_block_tokens`` ``B_h`` (vLLM's block size) and ``seed`` (default: vLLM's rule,
+    ``PYTHONHASHSEED`` when set, else :data:`DEFAULT_SEED`; read once, at construction)."""
+
+    algorithm: str = "sha256"
+    hash_block_tokens: int = 16
+    seed: str = field(default_factory=_env_seed, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in HASH_ALGORITHMS:
+            raise ValueError(
+                f"algorithm: expected one of {HASH_ALGORITHMS} (vLLM's reproducible "
+                f"prefix_caching_hash_algo), got {self.algorithm!r}"
+            )
+        object.__setattr__(
+            self,
+            "hash_block_tokens",
+            check_int("hash_block_tokens", self.hash_block_tokens, minimum=1),
+        )
+        if not isinstance(self.seed, str):
+            raise TypeError(f"seed: expected a str (PYTHONHASHSEED's value), got {self.seed!r}")
+        object.__setattr__(self, "_hash", _HASHES[self.algorithm])
+        object.__setattr__(self, "_none_hash", self._hash(self.seed))
+
+    def describe(self) -> str:
+        """The scheme as a namespace records it: name, algorithm, ``B_h`` (never the seed: the
+        keys themselves differ with it)."""
+        return f"{KEY_SCHEME_V2}/{self.algorithm}/{self.hash_block_tokens}"
+
+    @property
+    def none_hash(self) -> bytes:
+        """vLLM's ``NONE_HASH``: the parent of a sequence's first hash block."""
+        return self._none_hash
+
+    def block_hashes(self, token_ids: Any, parent: bytes | None = None) -> list[bytes]:
+        """vLLM's block hash of each whole hash block of ``token_ids`` (sequence or integer
+        array; a trailing partial block has none), chained after ``parent`` (None: the
+        sequence's start)."""
+        if parent is None:
+            parent = self._none_hash
+        elif not isinstance(parent, (bytes, bytearray)) or not parent:
+            raise ValueError(f"parent: expected a block hash (bytes) or None, got {parent!r:.80}")
+        ids = _token_array(token_ids).tolist()  # Python ints: what vLLM hashes
+        step, out, parent = self.hash_block_tokens, [], bytes(parent)
+        for at in range(0, len(ids) - step + 1, step):
+            parent = self._hash((parent, tuple(ids[at : at + step]), None))
+            out.append(parent)
+        return out
+
+    def check_unit_tokens(self, unit_tokens: Any) -> int:
+        """``unit_tokens`` when it is a whole number of hash blocks; ValueError otherwise."""
+        unit_tokens = check_int("unit_tokens", unit_tokens, minimum=1)
+        if unit_tokens % self.hash_block_tokens:
+            raise ValueError(
+                f"unit_tokens: expected a multiple of the key scheme's hash_block_tokens "
+                f"{self.hash_block_tokens}, got {unit_tokens}"
+            )
+        return unit_tokens
+
+    def unit_key(self, last_block_hash: bytes) -> bytes:
+        """The store key of the unit whose last hash block has ``last_block_hash``."""
+        return store_key(bytes(last_block_hash) + _GROUP_0)
+
+    def unit_keys(self, token_ids: Any, unit_tokens: int) -> list[bytes]:
+        """Store keys of the whole units of ``unit_tokens`` tokens of ``token_ids``, first
+        first: ``unit_keys(t, U)[j]`` names the prefix ``t[: (j + 1) * U]``."""
+        per_unit = self.check_unit_tokens(unit_tokens) // self.hash_block_tokens
+        hashes = self.block_hashes(token_ids)
+        return [self.unit_key(h) for h in hashes[per_unit - 1 :: per_unit]]
