@@ -1,7 +1,9 @@
 """Command-line helpers shared by every CLI of the project (``python -m layouts explain``,
 ``python -m canonical_ops demo|store``): a parser whose usage errors are ONE line on stderr
 (exit 2, never a traceback), ``--help`` with the defaults, bounded integer flags (``8`` yes,
-``1.5`` no) and case-insensitive choices. Standard library only.
+``1.5`` no), case-insensitive choices, and :func:`escape_text`, the one way untrusted text
+(names read from a store or a config, paths, server messages) reaches a human-readable line.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,34 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["CliParser", "HelpFormatter", "float_in", "int_in", "lower", "run_console", "upper"]
+__all__ = ["CliParser", "HelpFormatter", "escape_text", "float_in", "int_in", "lower"]
+__all__ += ["run_console", "upper"]
+
+_NAMED_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(char: str) -> str:
+    """One character as Python writes it in a string literal (``\\n``, ``\\x1b``, ``\\u202e``)."""
+    if char in _NAMED_ESCAPES:
+        return _NAMED_ESCAPES[char]
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def escape_text(value: object) -> str:
+    r"""``value`` as text fit for one line of a human-readable output: every character
+    Unicode classes as "Other" or "Separator" (controls such as newline and ESC, format
+    characters such as bidi overrides, line/paragraph separators, unassigned and private
+    code points, spaces other than the ASCII space) is written as an escape (``\n``,
+    ``\x1b``, ``\u202e``), and a backslash as ``\\`` so no escape can be forged. Untrusted
+    text (a name read from a store or a config, a path, a server's message) thereby cannot
+    end a line, start a forged one, or drive the terminal. JSON outputs keep the exact value."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable() and "\\" not in text:  # str.isprintable: exactly the rule above
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else _escape_char(c) for c in text)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -34,7 +63,9 @@ class CliParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        message = " ".join(str(message).split())  # one line, whatever the message holds
+        # one line, whatever the message holds: whitespace runs become one space, the rest
+        # of what could end or forge a line, or drive a terminal, is escaped
+        message = escape_text(" ".join(str(message).split()))
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
     def fail(self, message: str) -> NoReturn:

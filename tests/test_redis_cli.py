@@ -179,3 +179,39 @@ def test_usage_and_server_errors_are_one_line(capsys, args, kwargs, words) -> No
     code, out, err = cli(capsys, *args, **kwargs)
     assert code == 2 and out == "" and len(err.splitlines()) == 1 and words in err
     assert "s3cr3t" not in err
+
+
+def test_names_from_the_server_are_escaped_in_every_report_and_exact_in_json(server, capsys):
+    """A model name and revision holding a newline, a forged report line and terminal
+    escapes (a namespace description on the server): one escaped line in ``stats``; every
+    report holds no raw control character; ``--json`` keeps the exact text."""
+    from helpers.hostile import ESCAPED, HOSTILE, assert_no_forgery, hostile_namespace
+
+    ns = hostile_namespace(NS)
+    server.client().flushall()
+    with RedisStore(server.url, ns) as store:
+        assert store.store(b"k", 0, row(ns, 1), 0).ok
+    for args, kwargs in (
+        (("stats",), {}),
+        (("verify",), {}),
+        (("gc",), {"capacity": 0, "dry_run": True}),
+    ):
+        code, out, err = cli(capsys, *args, server.url, **kwargs)
+        assert code == 0, err
+        assert_no_forgery(out + err)
+        code, out, _ = cli(capsys, *args, server.url, as_json=True, **kwargs)
+        assert code == 0 and json.loads(out)["url"] == server.url
+    code, out, _ = cli(capsys, "stats", server.url)
+    assert f"model={ESCAPED} rev={ESCAPED}" in out
+    code, out, _ = cli(capsys, "stats", server.url, as_json=True)
+    [item] = json.loads(out)["namespaces"]
+    assert (item["model"], item["revision"]) == (HOSTILE, HOSTILE)
+
+
+def test_a_server_error_naming_the_target_is_one_escaped_line(tmp_path, capsys) -> None:
+    """redis-py's message quotes the socket path raw: stderr shows it escaped, one line."""
+    from helpers.hostile import HOSTILE, assert_no_forgery
+
+    code, out, err = cli(capsys, "stats", f"unix://{tmp_path}/{HOSTILE}.sock")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert_no_forgery(err)

@@ -277,3 +277,34 @@ def test_gc_never_unlinks_in_the_working_directory_when_a_directory_vanished(
     code, _, _ = run(capsys, "gc", str(root), "--capacity", "0")
     assert code == 0
     assert (decoy_dir / name).read_bytes() == b"not a unit of the store"
+
+
+def test_names_and_paths_are_escaped_in_every_report_and_exact_in_json(tmp_path, capsys):
+    """A model name, revision and store path holding a newline, a forged report line and
+    terminal escapes: one escaped line each in ``stats``, ``verify`` and ``gc``; ``--json``
+    keeps the exact text."""
+    from helpers.hostile import ESCAPED, HOSTILE, assert_no_forgery, hostile_namespace
+
+    ns, root = hostile_namespace(NS), tmp_path / f"store {HOSTILE}"
+    with FileStore(root, ns, fsync=False) as store:
+        for k in range(2):
+            store.store(k, 0, row(ns, k), k)
+        paths = unit_files(store)
+    os.truncate(paths[0], 100)  # one bad unit: `verify` names its path
+    for argv in (["stats"], ["verify"], ["gc", "--capacity", "0", "--dry-run"]):
+        code, out, err = run(capsys, *argv, str(root))
+        assert code == (1 if argv[0] == "verify" else 0), err
+        assert_no_forgery(out + err)
+        assert f"store {ESCAPED}" in out  # the path, escaped, not lost
+        code, out, _ = run(capsys, *argv, str(root), "--json")
+        report = json.loads(out)
+        assert report["directory"] == str(root)
+        if argv[0] == "stats":
+            [item] = report["namespaces"]
+            assert (item["model"], item["revision"]) == (HOSTILE, HOSTILE)
+        elif argv[0] == "verify":
+            assert [bad["path"] for bad in report["bad"]] == [paths[0]]
+        else:
+            assert sorted(report["evicted"]) == sorted(paths)
+    code, out, _ = run(capsys, "stats", str(root))
+    assert f"model={ESCAPED} rev={ESCAPED}" in out

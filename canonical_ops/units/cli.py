@@ -11,38 +11,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
-import sys
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
 from layouts.cli import CliParser
 
-from .auth import StoreSecret
 from .files import NAMESPACE_FILE, QUARANTINE_DIR, TMP_DIR, GcReport
 from .fsutil import Perms, clean_temps, open_dir, open_file
 from .namespace import StoreNamespace, is_namespace_hex
 from .policy import Entry, LruPolicy
 from .redis_url import REDIS_SCHEMES
+from .store_report import (
+    MAX_DESCRIPTION,
+    print_error,
+    print_gc,
+    print_stats,
+    print_verify,
+    read_namespace,
+    stats_item,
+)
 from .unit import CorruptUnit, peek_header
 from .unitfile import Found, check_unit, iter_units
 
-__all__ = [
-    "main",
-    "parse_size",
-    "print_gc",
-    "print_stats",
-    "print_verify",
-    "read_namespace",
-    "stats_item",
-]
+__all__ = ["main", "parse_size"]
 
 _SIZE = re.compile(r"\s*(\d+)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
-MAX_DESCRIPTION = 16 << 20  # a namespace description is a few KiB; bound what is read
 
 
 def parse_size(text: str) -> int:
@@ -52,104 +48,6 @@ def parse_size(text: str) -> int:
     if match is None:
         raise ValueError(f"expected a byte count like 1073741824, 64K, 512MiB or 1G, got {text!r}")
     return int(match[1]) * 1024 ** " KMGT".index((match[2] or " ").upper())
-
-
-def read_namespace(raw: Any, digest_hex: str, owner: str) -> tuple[StoreNamespace | None, str]:
-    """The namespace a stored description (bytes, or the error reading it) describes and
-    its problem. Never trusted: it must be the namespace its ``owner`` (directory, key)
-    names by ``digest_hex``; an authenticated one needs the environment's secret."""
-    try:
-        if isinstance(raw, Exception):
-            raise ValueError(raw)
-        if not isinstance(raw, bytes) or len(raw) > MAX_DESCRIPTION:
-            raise ValueError(f"expected a JSON text of at most {MAX_DESCRIPTION} bytes")
-        namespace = StoreNamespace.from_description(json.loads(raw))
-    except (ValueError, UnicodeDecodeError) as error:
-        return None, f"unreadable namespace description ({error})"
-    if not namespace.hex.startswith(digest_hex):
-        return None, f"describes namespace {namespace.hex[:16]}..., not its {owner}"
-    secret = StoreSecret.from_env() if namespace.key_id else None
-    if secret is not None and secret.key_id == namespace.key_id:
-        return namespace.authenticated(secret), ""
-    no_key = "authenticated; set CANONICAL_KV_STORE_SECRET(_FILE) to its key (no secret here)"
-    return namespace, no_key if namespace.key_id else ""
-
-
-# ---------------------------------------------------------------- printing (files and Redis)
-
-
-def _emit(as_json: bool, report: dict, lines: Iterable[str], code: int = 0) -> int:
-    print(json.dumps(report, indent=1) if as_json else "\n".join(lines))
-    return code
-
-
-def stats_item(
-    hex_: str, ns: StoreNamespace | None, problem: str, units: list, **more: Any
-) -> dict:
-    """``stats`` of a namespace (None: unknown) from its ``(kd, first, end, bytes, ...)`` units."""
-    ranges = Counter(f"{unit[1]}-{unit[2]}" for unit in units)
-    return {
-        "namespace": ns.hex if ns else hex_,
-        "model": ns and ns.model.name,
-        "revision": ns and ns.model.revision,
-        "format_id": ns and ns.format_id,
-        "kv_quant": ns and ns.kv_quant,
-        "num_layers": ns and ns.num_layers,
-        "authenticated": bool(ns.key_id) if ns else None,
-        "units": len(units),
-        "bytes": sum(unit[3] for unit in units),
-        "keys": len({unit[0] for unit in units}),
-        "layer_ranges": dict(sorted(ranges.items())),
-        **more,
-        "problem": problem or None,
-    }
-
-
-def print_stats(where: dict, items: list[dict], as_json: bool, note: str = "") -> int:
-    """``where`` (the target first, then JSON-only fields), then each :func:`stats_item`."""
-    lines = [f"{next(iter(where.values()))}: {len(items)} namespace(s){note}"]
-    for item in items:
-        auth = " authenticated" if item["authenticated"] else ""
-        lines.append(
-            f"  {item['namespace'][:16]}  model={item['model'] or '?'} "
-            f"rev={item['revision'] or '-'} format={item['format_id'] or '?'} "
-            f"layers={item['num_layers'] or '?'}{auth}"
-        )
-        names = [k for k in ("temp_files", "quarantined_files") if k in item]
-        files = "".join(f" {k.removesuffix('_files')}={item[k]}" for k in names)
-        lines.append(f"    units={item['units']} bytes={item['bytes']} keys={item['keys']}{files}")
-        if item["layer_ranges"]:
-            ranges = ", ".join(f"[{r}): {n}" for r, n in item["layer_ranges"].items())
-            lines.append(f"    layer ranges: {ranges}")
-        if item["problem"]:
-            lines.append(f"    PROBLEM: {item['problem']}")
-    return _emit(as_json, {**where, "namespaces": items}, lines)
-
-
-def print_verify(where: dict, spaces: int, checked: int, bad: list[dict], as_json: bool) -> int:
-    """``verify``'s report: ``bad`` items name the unit (``path`` or ``key``), then why."""
-    noun = "unit file(s)" if "directory" in where else "unit(s)"
-    target = next(iter(where.values()))
-    lines = [f"{target}: {checked} {noun} in {spaces} namespace(s) checked, {len(bad)} bad"]
-    lines += [f"BAD {next(iter(item.values()))}: {item['reason']}" for item in bad]
-    report = {"namespaces": spaces, "checked": checked, "bad_count": len(bad), "bad": bad}
-    return _emit(as_json, {**where, **report, "ok": not bad}, lines, 1 if bad else 0)
-
-
-def print_gc(where: dict, report: dict, left: tuple, listing: list[str], as_json: bool) -> int:
-    """``gc``'s report (``dry_run``, ``capacity_bytes``, ``units_evicted``, ``bytes_evicted``
-    and optional ``temps_removed``), ``left`` (units, bytes), ``listing`` (dry run)."""
-    dry, removed = report["dry_run"], "would remove" if report["dry_run"] else "removed"
-    temps = (
-        f", {removed} {report['temps_removed']} temp file(s)" if "temps_removed" in report else ""
-    )
-    lines = [
-        f"{next(iter(where.values()))}: {'would evict' if dry else 'evicted'} "
-        f"{report['units_evicted']} unit(s) ({report['bytes_evicted']} bytes){temps}; "
-        f"{left[0]} unit(s), {left[1]} bytes left (capacity {report['capacity_bytes']})",
-        *(f"  {line}" for line in listing),
-    ]
-    return _emit(as_json, {**where, **report}, lines)
 
 
 # ---------------------------------------------------------------- file stores
@@ -376,15 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             return _gc(target, perms, args.capacity, args.json, args.dry_run)
         return (_stats if args.command == "stats" else _verify)(target, perms, args.json)
     except (OSError, ValueError) as error:
-        print(f"python -m canonical_ops store {args.command}: {error}", file=sys.stderr)
-        return 2
+        return print_error(f"python -m canonical_ops store {args.command}: {error}")
 
 
 def _redis(args: argparse.Namespace) -> int:
     try:
         from .redis_cli import run
     except ImportError:
-        print(f"store {args.command} for Redis needs {__package__}.redis_cli", file=sys.stderr)
-        return 2
+        return print_error(f"store {args.command} for Redis needs {__package__}.redis_cli")
     gc = {"dry_run": getattr(args, "dry_run", False), "capacity": getattr(args, "capacity", None)}
     return run(args.command, args.target, as_json=args.json, **gc)

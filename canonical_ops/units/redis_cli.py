@@ -1,4 +1,5 @@
-"""``python -m canonical_ops store stats|verify|gc URL``: the Redis / Valkey side of :mod:`.cli`.
+"""``python -m canonical_ops store stats|verify|gc URL``: the Redis / Valkey side of :mod:`.cli`
+(which picks it for a Redis URL; the reports are :mod:`.store_report`'s, as for files).
 
 Every primary of a cluster is read; sizes (``MEMORY USAGE``) and recency (``OBJECT IDLETIME``)
 without touching the keys' LRU clocks. ``verify`` checks every value against its namespace's
@@ -8,7 +9,6 @@ for files (2 also for an unusable server); URLs redacted."""
 from __future__ import annotations
 
 import re
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +17,17 @@ from typing import Any, NamedTuple
 import redis
 
 from ..checks import check_int
-from .cli import print_gc, print_stats, print_verify, read_namespace, stats_item
 from .namespace import StoreNamespace
 from .redis_connection import _UNAVAILABLE, client_options, start_error
 from .redis_url import parse_url, redact_url
+from .store_report import (
+    print_error,
+    print_gc,
+    print_stats,
+    print_verify,
+    read_namespace,
+    stats_item,
+)
 from .unit import CorruptUnit, decode_and_verify, key_digest
 
 __all__ = ["run"]
@@ -228,8 +235,7 @@ def run(
     shown = redact_url(url)
 
     def fail(message: str) -> int:
-        print(f"store {command}: {message}", file=sys.stderr)
-        return 2
+        return print_error(f"store {command}: {message}")
 
     if command not in ("stats", "verify", "gc"):
         return fail("expected a command: stats, verify or gc")
