@@ -13,6 +13,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(("PageCapacityError", "PageManager", "PageState", "PageStateError"), ".pages"),
     **dict.fromkeys(("RegionSpaceError", "SharedOffloadRegion", "region_path"), ".region"),
+    **dict.fromkeys(("RegionTopologyError", "RowArea"), ".region"),
     **dict.fromkeys(("OffloadWorker", "TransferJob", "canonical_row_bytes"), ".worker"),
     "group_layer_mappings": ".worker",
     **dict.fromkeys(("StageCache", "pp_layer_range", "pp_layer_ranges"), ".cache"),

@@ -1,7 +1,9 @@
 """One /dev/shm region of canonical rows, shared by every rank (process) of a node: rank 0
 creates ``<shm_dir>/canonical-kv-<engine id>``, the others attach; the rank completing the
 count of attached ranks unlinks it, and so does rank 0's close (protocol: docs/design.md).
-Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``."""
+Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``. The header also
+records the workers' claims on the rows (:meth:`SharedOffloadRegion.claim_rows`): opaque
+pages are readable only by the topology that stored them."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import re
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,11 +26,12 @@ import torch
 from ..checks import check_int, check_seconds
 from ..units.liveness import ProcessId, process_alive, this_process
 
-__all__ = ["RegionSpaceError", "SharedOffloadRegion", "region_path"]
+__all__ = ["RegionSpaceError", "RegionTopologyError", "RowArea", "SharedOffloadRegion"]
+__all__ += ["region_path"]
 
 HEADER_BYTES = 4096
 MAGIC = b"CKVSHMR\x00"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the row claims (a version-2 rank would not check them)
 STATE_INIT, STATE_READY = 0, 1
 FILE_PREFIX = "canonical-kv-"
 PIN_CHUNK_BYTES = 1 << 30
@@ -37,8 +41,16 @@ MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 # magic, version, state, num_rows, row_bytes, world_size, creator (pid namespace, pid,
 # start ticks), engine id digest; from _RANKS_OFFSET one byte per rank (1: attached).
 _HEADER = struct.Struct("<8sIIQQI4xQqQ16s")
+# After it, the row claims: flags (_CLAIMED, _FOREIGN), the claimed topology, the first other
+# one, the number of opaque and of foreign ranges; the two range tables end the header.
+_CLAIMS = struct.Struct("<II4I4IHH")
+_CLAIMED, _FOREIGN = 1, 2
 _RANKS_OFFSET = 128
-MAX_WORLD_SIZE = HEADER_BYTES - _RANKS_OFFSET
+MAX_RANGES = 64  # per table; more are joined (the gap too: it only refuses more)
+_RANGE = struct.Struct("<QQ")
+_OPAQUE_OFFSET = HEADER_BYTES - 2 * MAX_RANGES * _RANGE.size
+_FOREIGN_OFFSET = HEADER_BYTES - MAX_RANGES * _RANGE.size
+MAX_WORLD_SIZE = _OPAQUE_OFFSET - _RANKS_OFFSET
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
 _UNLINK_WAIT_S = 5.0
 
@@ -60,6 +72,136 @@ def region_path(engine_id: str, shm_dir: str = "/dev/shm") -> str:
     return os.path.join(shm_dir, FILE_PREFIX + name)
 
 
+class RegionTopologyError(ValueError):
+    """A worker's layer areas cannot share the region's rows with what other workers claimed:
+    an opaque page (each rank's bytes whole, ``parallelism_agnostic=False``) is readable only
+    by the topology that stored it. Nothing was recorded."""
+
+
+Topology = tuple[int, int, int, int]  # (tp, dcp, pcp, interleave), as units' opaque layers
+
+
+def _topology_text(topology: Topology) -> str:
+    return "tp={}, dcp={}, pcp={}, interleave={}".format(*topology)
+
+
+@dataclass(frozen=True)
+class RowArea:
+    """Bytes ``[start, end)`` of every row that a worker moves, named ``name`` in errors (e.g.
+    "layer 1"); ``opaque``: why its pages are each rank's bytes whole (layouts' fallback
+    reason), None for canonical (parallelism free) pages."""
+
+    name: str
+    start: int
+    end: int
+    opaque: str | None = None
+
+
+def _joined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted and merged, at most MAX_RANGES (the nearest ones joined, gap and all:
+    a claim only ever covers more, so it refuses more, never less)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    while len(out) > MAX_RANGES:
+        i = min(range(len(out) - 1), key=lambda k: out[k + 1][0] - out[k][1])
+        out[i : i + 2] = [(out[i][0], out[i + 1][1])]
+    return out
+
+
+def _overlap(area: RowArea, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    return next(((s, e) for s, e in ranges if s < area.end and area.start < e), None)
+
+
+@dataclass
+class _Claims:
+    """The workers' claims on the rows: ``topology`` of the first claimant, ``opaque`` ranges
+    stored opaque at it, ``foreign`` ranges used as canonical pages by workers of another
+    topology (the first of which is ``other``); ``damaged``: the record did not parse."""
+
+    topology: Topology | None = None
+    other: Topology | None = None
+    opaque: list[tuple[int, int]] = field(default_factory=list)
+    foreign: list[tuple[int, int]] = field(default_factory=list)
+    damaged: bool = False
+
+    @classmethod
+    def parse(cls, raw: bytes, row_bytes: int) -> _Claims:
+        flags, _, *topologies, n_opaque, n_foreign = _CLAIMS.unpack_from(raw, _HEADER.size)
+        claimed, other = tuple(topologies[:4]), tuple(topologies[4:])
+        tables = []
+        for offset, count in ((_OPAQUE_OFFSET, n_opaque), (_FOREIGN_OFFSET, n_foreign)):
+            count = min(count, MAX_RANGES + 1)
+            tables.append([_RANGE.unpack_from(raw, offset + i * 16) for i in range(count)])
+        claims = cls(
+            claimed if flags & _CLAIMED else None, other if flags & _FOREIGN else None, *tables
+        )
+        topologies_ok = all(t is None or min(t) >= 1 for t in (claims.topology, claims.other)) and (
+            claims.topology is not None or not (claims.other or claims.opaque or claims.foreign)
+        )
+        ranges_ok = all(
+            len(table) <= MAX_RANGES and all(0 <= s < e <= row_bytes for s, e in table)
+            for table in tables
+        )
+        claims.damaged = not (topologies_ok and ranges_ok and flags & ~(_CLAIMED | _FOREIGN) == 0)
+        return claims
+
+    def pack_into(self, raw: bytearray) -> None:
+        flags = (_CLAIMED if self.topology else 0) | (_FOREIGN if self.other else 0)
+        topologies = (*(self.topology or (0,) * 4), *(self.other or (0,) * 4))
+        counts = (len(self.opaque), len(self.foreign))
+        _CLAIMS.pack_into(raw, _HEADER.size, flags, 0, *topologies, *counts)
+        for offset, table in ((_OPAQUE_OFFSET, self.opaque), (_FOREIGN_OFFSET, self.foreign)):
+            for i, (start, end) in enumerate(table):
+                _RANGE.pack_into(raw, offset + i * _RANGE.size, start, end)
+
+    def refusal(self, topology: Topology, areas: Sequence[RowArea]) -> str | None:
+        """Why a worker at ``topology`` moving ``areas`` may not use these rows, or None."""
+        here = _topology_text(topology)
+        if self.damaged:
+            return "its record of the workers' claims is damaged (not written by this code)"
+        if self.topology is None or topology == self.topology:
+            for area in areas:
+                taken = _overlap(area, self.foreign) if area.opaque else None
+                if taken is not None:
+                    return (
+                        f"{area.name} is stored opaque at {here} (fallback reason: "
+                        f"{area.opaque}), but workers at {_topology_text(self.other)} already "
+                        f"use bytes {list(taken)} of each row as canonical pages"
+                    )
+            return None
+        there = _topology_text(self.topology)
+        for area in areas:
+            if area.opaque:
+                return (
+                    f"{area.name} is stored opaque at {here} (fallback reason: {area.opaque}): "
+                    f"its pages are each rank's bytes whole, but the region's rows are claimed "
+                    f"by workers at {there}"
+                )
+            taken = _overlap(area, self.opaque)
+            if taken is not None:
+                return (
+                    f"{area.name} (bytes {[area.start, area.end]} of each row) holds pages "
+                    f"stored opaque by workers at {there} (not parallelism agnostic); this "
+                    f"worker at {here} would read them as canonical pages"
+                )
+        return None
+
+    def add(self, topology: Topology, areas: Sequence[RowArea]) -> None:
+        """Record a worker the :meth:`refusal` check admitted."""
+        ranges = [(a.start, a.end) for a in areas]
+        if self.topology is None:
+            self.topology = topology
+        if topology == self.topology:
+            self.opaque = _joined(self.opaque + [r for r, a in zip(ranges, areas) if a.opaque])
+        else:
+            self.other = self.other or topology
+            self.foreign = _joined(self.foreign + ranges)
+
+
 @dataclass
 class _Header:
     num_rows: int
@@ -70,6 +212,7 @@ class _Header:
     ranks: bytearray
     state: int = STATE_INIT
     version: int = FORMAT_VERSION
+    claims: _Claims = field(default_factory=_Claims)
 
     @classmethod
     def read(cls, fd: int) -> _Header | None:
@@ -79,12 +222,15 @@ class _Header:
             return None
         _, version, state, rows, row_bytes, world, ns, pid, start, digest = _HEADER.unpack_from(raw)
         ranks = bytearray(raw[_RANKS_OFFSET : _RANKS_OFFSET + min(world, MAX_WORLD_SIZE)])
-        return cls(rows, row_bytes, world, (ns, pid, start), digest, ranks, state, version)
+        claims = _Claims.parse(raw, row_bytes)
+        return cls(rows, row_bytes, world, (ns, pid, start), digest, ranks, state, version, claims)
 
     def write(self, fd: int) -> None:
         fields = (self.version, self.state, self.num_rows, self.row_bytes, self.world_size)
-        raw = _HEADER.pack(MAGIC, *fields, *self.creator, self.digest)
-        raw = (raw.ljust(_RANKS_OFFSET, b"\0") + bytes(self.ranks)).ljust(HEADER_BYTES, b"\0")
+        raw = bytearray(HEADER_BYTES)
+        _HEADER.pack_into(raw, 0, MAGIC, *fields, *self.creator, self.digest)
+        raw[_RANKS_OFFSET : _RANKS_OFFSET + len(self.ranks)] = self.ranks
+        self.claims.pack_into(raw)
         if os.pwrite(fd, raw, 0) != HEADER_BYTES:
             raise OSError(errno.EIO, "short write of the region header")
 
@@ -175,6 +321,43 @@ class SharedOffloadRegion:
     def pinned(self) -> bool:
         """Whether this rank page-locked the data area with CUDA."""
         return bool(self._pinned)
+
+    def claim_rows(self, topology: Topology, areas: Sequence[RowArea]) -> None:
+        """Record that a worker at ``topology`` (tp, dcp, pcp, interleave) moves ``areas`` of
+        every row, or raise :class:`RegionTopologyError` (naming the area, its fallback reason
+        and both topologies; nothing recorded) when another topology's opaque pages are in
+        them, or its own opaque pages would land where another topology reads canonical
+        pages. The first claimant's topology owns the rows' opaque pages; a worker of another
+        topology may only move canonical pages, elsewhere. Atomic across the ranks (the
+        file's lock); :class:`OffloadWorker` calls it when built on a region."""
+        if self.closed:
+            raise ValueError(f"SharedOffloadRegion({self.path}) is closed")
+        if not (isinstance(topology, tuple) and len(topology) == 4):
+            raise ValueError(f"topology: expected (tp, dcp, pcp, interleave), got {topology!r}")
+        for i, value in enumerate(topology):
+            check_int(f"topology[{i}]", value, minimum=1)
+        areas = list(areas)
+        for i, area in enumerate(areas):
+            if not isinstance(area, RowArea):
+                raise TypeError(f"areas[{i}]: expected a RowArea, got {type(area).__name__}")
+            check_int(f"areas[{i}].start", area.start, minimum=0, maximum=self.row_bytes)
+            check_int(f"areas[{i}].end", area.end, minimum=area.start, maximum=self.row_bytes)
+        self._lock(self._fd, time.monotonic() + self._timeout)
+        try:
+            header = _Header.read(self._fd)
+            if header is None:
+                raise OSError(errno.EIO, "the region header is gone", self.path)
+            problem = header.claims.refusal(topology, areas)
+            if problem is not None:
+                raise RegionTopologyError(
+                    f"shared offload region {self.path}: {problem}. An opaque page is readable "
+                    f"only by the topology that stored it: give each topology its own region "
+                    f"(another engine_id); nothing was loaded or recorded"
+                )
+            header.claims.add(topology, areas)
+            header.write(self._fd)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Unpin, unmap and close; rank 0 also unlinks the file. Idempotent. Views of

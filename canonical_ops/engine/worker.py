@@ -33,6 +33,7 @@ from ..plan import (
     spec_mismatch,
 )
 from ..transfer import PlanCall, QueuedTransfer, TransferQueue
+from .region import RegionTopologyError, RowArea, SharedOffloadRegion
 
 __all__ = ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
 __all__ += ["spec_mismatch"]
@@ -265,6 +266,24 @@ class OffloadWorker:
         self._job_ids = itertools.count()
         self._in_flight: list[TransferJob] = []
         self._share = RankShare(self.mappings)
+        if isinstance(self.region, SharedOffloadRegion):
+            self._claim_rows(layer_names)
+
+    def _claim_rows(self, layer_names: Sequence[str] | None) -> None:
+        """Claim this worker's areas of the region's rows (last: a refusal leaves nothing
+        built): opaque pages of another topology are never loaded, RegionTopologyError."""
+        areas = []
+        for entry, ((layer, kind), group) in enumerate(zip(self.plan_entries, self.group_mappings)):
+            name = f"layer {layer}" + (f" ({layer_names[layer]!r})" if layer_names else "")
+            name += "'s scales" if kind == "scales" else ""
+            start = self.area_offsets[entry]
+            end = start + self.pages_per_row * self.mappings[entry].canonical_page_size_bytes
+            areas.append(RowArea(name, start, end, group[0].fallback_reason))
+        ctx = self.ctx
+        try:
+            self.region.claim_rows((ctx.tp_size, ctx.dcp_size, ctx.pcp_size, ctx.interleave), areas)
+        except RegionTopologyError as error:
+            raise RegionTopologyError(f"cpu_pages: {error}") from None
 
     @property
     def opaque_layers(self) -> list[int]:
