@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 try:
-    from . import _C  # noqa: F401  (static initialisers register torch.ops.canonical.*)
+    import canonical_ops._C  # noqa: F401  (static initialisers register torch.ops.canonical.*)
 except ImportError as error:  # pragma: no cover - depends on the build
     raise ImportError(
         "canonical_ops._C is not built for this Python: run `make install` (or "

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _extension  # noqa: F401  (registers torch.ops.canonical)
+import canonical_ops._extension  # noqa: F401  (registers torch.ops.canonical)
+
 from .checks import check_ids, check_int
 
 __all__ = ["CanonicalTransferError", "check_device_errors", "check_unique_ids", "load"]

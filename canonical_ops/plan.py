@@ -13,7 +13,7 @@ import torch
 from layouts import CanonicalPageMapping, LayerSpec
 from layouts.spec import dtype_name
 
-from . import _extension
+from ._extension import BUILT_WITH_CUDA
 from .checks import check_int
 
 PLAN_MAGIC = 0x31564B4E4F4E4143  # "CANONKV1", as in plan.h
@@ -325,7 +325,7 @@ def check_kernels(device: torch.device, who: str) -> None:
             f"{who}: canonical_ops has kernels for CUDA and CPU tensors, not {device}"
             f"{' (ROCm)' if torch.version.hip is not None else ''}"
         )
-    if not _extension.BUILT_WITH_CUDA:
+    if not BUILT_WITH_CUDA:
         raise RuntimeError(
             f"{who}: the tensors are on CUDA but canonical_ops was built without its CUDA "
             f"kernels (CANONICAL_KV_BUILD_CUDA=0 or no nvcc at install time); reinstall "

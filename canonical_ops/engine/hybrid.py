@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+import canonical_ops.ops as ops
 from layouts import RankContext
 from layouts.spec import dtype_name
 from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mappings
 
-from .. import ops
 from ..checks import check_int, check_type
 from ..plan import make_plan
 from ..units import fsutil

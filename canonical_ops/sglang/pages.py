@@ -1,6 +1,7 @@
 """SGLang host KV pages <-> canonical unit bytes, through one plan per rank and the CPU kernel:
 a host page of any pool ``layout`` is viewed as ``(layers, *block)`` (MHA: a ``split NHD`` page,
-MLA: an ``mla`` one) and moved to and from unit rows by ``canonical_ops.store`` / ``load``."""
+MLA: an ``mla`` one) and moved to and from unit rows by ``canonical_ops.ops.store`` / ``load``
+(imported on first use: importing this module loads no extension)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 
 import torch
 
-import canonical_ops  # its ops load the extension on first use only
 from layouts import LayerSpec, WriterElection, derive_group_mappings
 from layouts.spec import dtype_name
 
@@ -127,8 +127,10 @@ class PageTransfer:
         self.rows = torch.zeros((self.batch, unit_bytes), dtype=torch.uint8)
         self.layers = [self.blocks[:, layer] for layer in range(codec.num_layers)]
         offsets = list(namespace.payload_offsets(first, end)[:-1])
+        from ..plan import make_plan  # loads the extension
+
         self.plans = {
-            rank: canonical_ops.make_plan(
+            rank: make_plan(
                 [codec.mappings[rank]] * codec.num_layers,
                 self.layers,
                 self.rows,
@@ -151,9 +153,13 @@ class PageTransfer:
 
     def place(self, rank: int, block: int, row: int) -> None:
         """Rank ``rank``'s share of block ``block`` into unit row ``row``, as page 0's writers."""
-        canonical_ops.store(self.layers, self.rows[row : row + 1], self.plans[rank], [block], [0])
+        from ..ops import store
+
+        store(self.layers, self.rows[row : row + 1], self.plans[rank], [block], [0])
 
     def extract(self, count: int) -> None:
         """This rank's bytes of unit rows ``[0, count)`` into blocks ``[0, count)``."""
+        from ..ops import load
+
         ids = list(range(count))
-        canonical_ops.load(self.layers, self.rows, self.plans[self.codec.tp_rank], ids, ids)
+        load(self.layers, self.rows, self.plans[self.codec.tp_rank], ids, ids)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .. import _unitio
+import canonical_ops._unitio as _unitio
+
 from ..checks import check_bool, check_int, check_seconds, check_type
 from . import fsutil, unitfile
 from .fsutil import Dirs, Perms, StoreRootError, UnsafePath, open_file
