@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from layouts import RankContext
+from layouts.cli import escape_text
 
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
@@ -293,7 +294,7 @@ def _each(job: Any, count: int) -> list[Any]:
 
 def _ok(outcome: Any, what: str) -> bool:
     if outcome.status != "ok":
-        logger.warning("canonical-kv: %s failed: %s", what, outcome.detail)
+        logger.warning("canonical-kv: %s failed: %s", what, escape_text(outcome.detail))
     return outcome.status == "ok"
 
 

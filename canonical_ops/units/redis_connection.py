@@ -23,6 +23,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from layouts.cli import escape_text
+
 from .jobs import current_job
 from .redis_url import RedisURL
 from .redis_wire import PACKER, READ_BUFFER, Command, _Parts, direct_exchange
@@ -265,7 +267,9 @@ class RedisConnection:
             if not away or require_server:
                 raise RedisStoreError(message) from error
             off = "starting with the tier off (misses, dropped stores) and probing it again later"
-            message = f"RedisStore: no server reachable at {self.url!r} ({error}); {off}"
+            message = (
+                f"RedisStore: no server reachable at {self.url!r} ({escape_text(error)}); {off}"
+            )
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             for _ in range(self.breaker.threshold):  # open: probe later
                 self.breaker.failure()
@@ -335,9 +339,9 @@ class RedisConnection:
                 _log.warning(
                     "RedisStore %s unavailable (%s: %s): skipping it, probing again in %.1f s "
                     "(lookups 0, loads miss, stores dropped meanwhile)",
-                    self.url,
+                    escape_text(self.url),  # a log line each: the server's text escaped
                     type(error).__name__,
-                    error,
+                    escape_text(error),
                     self.breaker.backoff,
                 )
             raise _Unavailable(f"{type(error).__name__}: {error}") from error
@@ -347,7 +351,7 @@ class RedisConnection:
 
     def _recovered(self) -> None:
         if self.breaker.success():
-            _log.warning("RedisStore %s reachable again", self.url)
+            _log.warning("RedisStore %s reachable again", escape_text(self.url))
 
     def cleanup(self, ops: list[Command], deleted: int) -> None:
         """Best-effort removal of bad or stale values (one round trip, errors ignored)."""
