@@ -182,6 +182,56 @@ def test_all_certified_model_loads_at_another_tp(regions: Any) -> None:
         assert_loads_the_truth(reader, kv, truths, 2, rank)
 
 
+def _rank_process(conn: Any, region_args: dict, tp: int, tp_rank: int, role: str) -> None:
+    """One rank in its own process: a writer stores blocks 0, 1 into pages 0, 1; a reader
+    builds its worker and loads them (or reports the refusal)."""
+    try:
+        truths = truth()
+        with SharedOffloadRegion(**region_args) as region:
+            kv = caches(truths, tp, tp_rank, empty=role == "reader")
+            try:
+                worker = OffloadWorker(kv, model(tp), RankContext(tp, HEADS, tp_rank), region)
+            except RegionTopologyError as error:
+                conn.send(("refused", str(error), [bool(t.any()) for t in kv]))
+                return
+            if role == "writer":
+                worker.wait(worker.store(block_ids=[0, 1], page_ids=[0, 1]))
+                conn.send(("stored",))
+                return
+            worker.wait(worker.load(block_ids=[2, 3], page_ids=[0, 1]))
+            exact = [torch.equal(got[2:4], shard(t[:2], tp, tp_rank)) for got, t in zip(kv, truths)]
+            conn.send(("loaded", exact))
+    except Exception as error:  # the test reports it
+        conn.send(("error", repr(error)))
+
+
+def test_ranks_in_their_own_processes_share_one_record(forkserver: Any, regions: Any) -> None:
+    """The claims live in the region file's header: four TP=4 writer processes store, a TP=2
+    reader process is refused, a TP=4 reader process loads every layer exactly."""
+    region = regions(1 + 4 + 2, row_bytes(model(4), 4))
+    engine_id = region.rank0.engine_id
+
+    def run(rank: int, tp: int, tp_rank: int, role: str) -> tuple:
+        args = dict(engine_id=engine_id, num_rows=ROWS, row_bytes=region.row_bytes, pin=False)
+        args.update(world_size=region.world_size, rank=rank, attach_timeout_s=30.0)
+        ours, theirs = forkserver.Pipe()
+        process = forkserver.Process(target=_rank_process, args=(theirs, args, tp, tp_rank, role))
+        process.start()
+        theirs.close()
+        try:
+            assert ours.poll(60), f"rank {rank} did not answer"
+            return ours.recv()
+        finally:
+            process.join(30)
+
+    assert [run(1 + r, 4, r, "writer") for r in range(4)] == [("stored",)] * 4
+    refused = run(5, 2, 0, "reader")
+    assert refused[0] == "refused", refused
+    assert "layer 1 is stored opaque at tp=2" in refused[1] and "workers at tp=4" in refused[1]
+    assert refused[2] == [False, False]  # its caches untouched
+    assert run(6, 4, 1, "reader") == ("loaded", [True, True])
+
+
 # --------------------------------------------------------------------------- every order, every kind
 
 
@@ -282,6 +332,22 @@ def test_a_refused_claim_records_nothing_and_ranks_see_one_record(regions: Any) 
     region.rank0.claim_rows((4, 1, 1, 1), [RowArea("layer 1", 0, 1000, "opaque")])
     with pytest.raises(RegionTopologyError):  # and every rank reads the one record
         region.rank0.claim_rows((2, 1, 1, 1), [RowArea("layer 1", 0, 10)])
+
+
+def test_bad_claims_are_refused_and_record_nothing(regions: Any) -> None:
+    region = regions(1, 1000).rank0
+    with pytest.raises(ValueError, match=r"topology: expected \(tp, dcp, pcp, interleave\)"):
+        region.claim_rows((4, 1, 1), [])
+    with pytest.raises(ValueError, match=r"topology\[1\]"):
+        region.claim_rows((4, 0, 1, 1), [])
+    with pytest.raises(TypeError, match=r"areas\[0\]: expected a RowArea, got tuple"):
+        region.claim_rows((4, 1, 1, 1), [("layer 0", 0, 10, None)])
+    with pytest.raises(ValueError, match=r"areas\[1\].end"):
+        region.claim_rows((4, 1, 1, 1), [RowArea("a", 0, 10, "x"), RowArea("b", 10, 1001)])
+    region.claim_rows((2, 1, 1, 1), [RowArea("layer 0", 0, 1000, "opaque")])  # nothing recorded
+    region.close()
+    with pytest.raises(ValueError, match="is closed"):
+        region.claim_rows((2, 1, 1, 1), [])
 
 
 @pytest.mark.parametrize("damage", ["flags", "topology", "range"])

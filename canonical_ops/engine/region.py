@@ -130,23 +130,25 @@ class _Claims:
 
     @classmethod
     def parse(cls, raw: bytes, row_bytes: int) -> _Claims:
+        """The record in header ``raw``, checked (another process wrote it: ``damaged`` when
+        it is not what :meth:`pack_into` writes for rows of ``row_bytes``)."""
         flags, _, *topologies, n_opaque, n_foreign = _CLAIMS.unpack_from(raw, _HEADER.size)
-        claimed, other = tuple(topologies[:4]), tuple(topologies[4:])
         tables = []
         for offset, count in ((_OPAQUE_OFFSET, n_opaque), (_FOREIGN_OFFSET, n_foreign)):
             count = min(count, MAX_RANGES + 1)
-            tables.append([_RANGE.unpack_from(raw, offset + i * 16) for i in range(count)])
-        claims = cls(
-            claimed if flags & _CLAIMED else None, other if flags & _FOREIGN else None, *tables
+            tables.append([_RANGE.unpack_from(raw, offset + i * _RANGE.size) for i in range(count)])
+        claimed = tuple(topologies[:4]) if flags & _CLAIMED else None
+        claims = cls(claimed, tuple(topologies[4:]) if flags & _FOREIGN else None, *tables)
+        problems = (
+            flags & ~(_CLAIMED | _FOREIGN),
+            any(t is not None and min(t) < 1 for t in (claims.topology, claims.other)),
+            claimed is None and (claims.other or claims.opaque or claims.foreign),
+            any(
+                len(t) > MAX_RANGES or not all(0 <= s < e <= row_bytes for s, e in t)
+                for t in tables
+            ),
         )
-        topologies_ok = all(t is None or min(t) >= 1 for t in (claims.topology, claims.other)) and (
-            claims.topology is not None or not (claims.other or claims.opaque or claims.foreign)
-        )
-        ranges_ok = all(
-            len(table) <= MAX_RANGES and all(0 <= s < e <= row_bytes for s, e in table)
-            for table in tables
-        )
-        claims.damaged = not (topologies_ok and ranges_ok and flags & ~(_CLAIMED | _FOREIGN) == 0)
+        claims.damaged = any(problems)
         return claims
 
     def pack_into(self, raw: bytearray) -> None:
@@ -342,6 +344,7 @@ class SharedOffloadRegion:
                 raise TypeError(f"areas[{i}]: expected a RowArea, got {type(area).__name__}")
             check_int(f"areas[{i}].start", area.start, minimum=0, maximum=self.row_bytes)
             check_int(f"areas[{i}].end", area.end, minimum=area.start, maximum=self.row_bytes)
+        areas = [area for area in areas if area.end > area.start]  # an empty one moves nothing
         self._lock(self._fd, time.monotonic() + self._timeout)
         try:
             header = _Header.read(self._fd)

@@ -153,7 +153,11 @@ class OffloadWorker:
     each layer's ``layouts.KVScales`` or None (per-tensor scales move no bytes);
     ``scale_caches``: each per-token-head scaled layer's scale tensor (exactly
     ``scales[l].page_spec(specs[l])``, as many blocks as the data), None elsewhere, checked as
-    ``kv_caches``; its scale page follows the layer's data page in a row.
+    ``kv_caches``; its scale page follows the layer's data page in a row. On a
+    :class:`SharedOffloadRegion` the worker claims its areas of the rows when built
+    (:meth:`SharedOffloadRegion.claim_rows`): opaque pages of another topology there raise
+    ``RegionTopologyError``, never load. Plain rows carry no such record: their owner keeps
+    one topology's opaque pages away from another.
 
     Attributes: ``plan_entries``, ``mappings`` / ``group_mappings`` (this rank's / every
     rank's, per entry), ``fallback_reasons`` (opaque layers and why), ``format_id``
