@@ -429,3 +429,43 @@ def test_readme_ops_quickstart_runs_and_prints_what_it_shows():
     assert result.stdout == shown
     assert "True" in shown
     assert time.monotonic() - start < 60
+
+
+def test_names_and_paths_are_escaped_in_the_printed_lines_and_exact_in_json(tmp_path):
+    """A model name, revision and store path holding a newline, a forged line and terminal
+    escapes: the header and progress lines show them escaped; the JSON keeps them exact."""
+    from helpers.hostile import ESCAPED, HOSTILE, assert_no_forgery
+
+    store = tmp_path / f"store {HOSTILE}"
+    names = ["--model-name", HOSTILE, "--model-revision", HOSTILE]
+    result = run_demo(*TINY, "--store", str(store), *names, "--json")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_no_forgery(result.stderr)
+    assert f"store: {tmp_path}/store {ESCAPED}; phase both" in result.stderr
+    assert f"({ESCAPED}@{ESCAPED})" in result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["model"]["name"], summary["model"]["revision"]) == (HOSTILE, HOSTILE)
+    assert summary["stores"] == [str(store)]
+
+
+def test_failure_lines_are_escaped():
+    """A failure quoting an error (a path, a name) is one escaped FAIL line."""
+    import io
+
+    from helpers.hostile import HOSTILE, assert_no_forgery
+
+    summary = dict(
+        pages_total=2,
+        pages_loaded=0,
+        store=None,
+        load=None,
+        model=dict(attention="full", kv_heads=8, layers=4),
+        verdict="FAIL",
+        failures=[f"writer rank 0 failed: OSError: {HOSTILE}"],
+        bytes_wrong=0,
+        prompt_tokens=32,
+    )
+    out, err = io.StringIO(), io.StringIO()
+    report.print_result(summary, out, err)
+    assert_no_forgery(out.getvalue() + err.getvalue())
+    assert err.getvalue().count("\n") == 1 and err.getvalue().startswith("FAIL: writer rank 0")

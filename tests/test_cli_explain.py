@@ -131,3 +131,21 @@ def test_readme_example_picture():
     assert result.returncode == 0, result.stderr
     shown = [line for line in shown if line != "..."]
     assert shown and all(line in result.stdout.splitlines() for line in shown), result.stdout
+
+
+def test_a_hostile_argument_is_shown_escaped_on_the_one_error_line():
+    """argparse quotes unrecognised arguments raw: the error line shows them escaped (no
+    terminal escape, no forged line), for every CLI of the project (one ``CliParser``)."""
+    from helpers.hostile import FORGED, HOSTILE, assert_no_forgery
+
+    for command in (["-m", "layouts", "explain"], ["-m", "canonical_ops", "store", "stats"]):
+        result = subprocess.run(
+            [sys.executable, *command, ".", HOSTILE],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and result.stdout == ""
+        assert len(result.stderr.splitlines()) == 1 and FORGED in result.stderr
+        assert_no_forgery(result.stderr)

@@ -31,6 +31,8 @@ import sys
 from dataclasses import replace
 from multiprocessing import forkserver
 
+from layouts.cli import escape_text
+
 # presets, cli, config: pure (answered in a blink); truth, ranks, engine, report: torch.
 from .cli import PROG, build_parser
 from .config import UsageError, build_config, check_resources, plan_stores, resolve_device
@@ -81,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 tier.close()
     for group in (result.get("writers"), result.get("readers")):
         for index, error in sorted(group.errors.items()) if group else ():
-            if "\n" in error.strip():  # tracebacks in full (the FAIL lines quote the last line)
-                print(f"{group.role} rank {index}: {error.rstrip()}", file=sys.stderr, flush=True)
+            if "\n" in error.strip():  # tracebacks in full (the FAIL lines quote the last line),
+                # every line escaped and indented: a message in it cannot forge a report line
+                lines = "\n  ".join(map(escape_text, error.rstrip().splitlines()))
+                print(f"{group.role} rank {index}: {lines}", file=sys.stderr, flush=True)
     print_result(summary, out, sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=2), flush=True)

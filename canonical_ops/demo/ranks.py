@@ -14,6 +14,7 @@ from typing import Any, TextIO
 import torch
 
 from layouts import RankContext
+from layouts.cli import escape_text
 
 from ..engine import OffloadWorker, SharedOffloadRegion
 from ..engine.hybrid import StateWorker
@@ -132,7 +133,8 @@ class Progress:
         return time.perf_counter() - self.start
 
     def __call__(self, message: str) -> None:
-        print(f"[{self.elapsed():6.1f} s] {message}", file=self.stream, flush=True)
+        """One line (stores' paths and errors in ``message`` escaped)."""
+        print(f"[{self.elapsed():6.1f} s] {escape_text(message)}", file=self.stream, flush=True)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The verdict (what the groups and store phases reported against what PASS requires) and
-what the run prints: the header, the JSON summary (stable names) and the human lines."""
+what the run prints: the header, the JSON summary (stable names) and the human lines (each
+through ``escape_text``: a model name, store path or error cannot forge a line)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from layouts import canonical_format_id
+from layouts.cli import escape_text
 from layouts.explain import picture
 
 from .config import DemoConfig, redact, region_bytes, state_bytes
@@ -240,7 +242,8 @@ def print_result(summary: dict, out: TextIO, err: TextIO) -> None:
             "unsharded truth"
         )
     else:
-        print("\n".join(f"FAIL: {line}" for line in summary["failures"]), file=err, flush=True)
+        failures = (f"FAIL: {escape_text(line)}" for line in summary["failures"])
+        print("\n".join(failures), file=err, flush=True)
         pages = f"pages loaded {loaded}/{total}, " if loaded is not None else ""
         count, wrong = len(summary["failures"]), summary["bytes_wrong"]
         lines.append(f"FAIL: {count} problem(s): {pages}{wrong} bytes wrong")
@@ -281,6 +284,7 @@ def print_header(s: Session, out: TextIO) -> None:
         revision = f"@{cfg.model_revision}" if cfg.model_revision else ""
         model = f"{cfg.identity().name}{revision}"
         lines.append(f"store: {where}; phase {phase}; namespace {namespace}... ({model})")
+    lines = [escape_text(line) for line in lines]  # the model's name, the stores' paths
     if phase != "read":
         lines += ["writers of layer 0, page 0:", picture(cfg.mappings("writer"), 0, width=64)]
     print("\n".join(lines), file=out, flush=True)
