@@ -10,6 +10,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from . import SPEC_NAME
+from .shared import check_worker_rows, shared_prefix_options
 from .worker import CanonicalOffloadingWorker
 
 __all__ = ["CanonicalOffloadingSpec"]
@@ -44,12 +45,20 @@ class CanonicalOffloadingSpec(TieringOffloadingSpec):
             # vLLM's own checks and messages: a ref without a mapping, or opaque
             # (per-topology) layers under a topology-shared storage namespace.
             self._validate_canonical_refs(kv_caches)
-            return CanonicalOffloadingWorker(
+            shared = shared_prefix_options(self.extra_config)
+            worker = CanonicalOffloadingWorker(
                 kv_caches, self.blocks_per_chunk, self.num_chunks, region
             )
         except Exception:
             region.cleanup()
             raise
+        try:  # a tier sharing KV with other engines: its rows must be what they write
+            for option in shared:
+                check_worker_rows(option, kv_caches, self.config, worker)
+        except Exception:
+            worker.shutdown()
+            raise
+        return worker
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """Our worker, built once. Unlike vLLM's, it decides by the KV tensors' device:

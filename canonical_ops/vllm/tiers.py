@@ -1,6 +1,8 @@
 """vLLM 0.33 secondary tiers ``canonical_fs`` and ``canonical_redis``: each primary chunk (one
 row of vLLM's CPU region) is one checksummed unit, keyed by vLLM's offload key. A load is verified
-before vLLM sees it (a bad unit is a miss); all I/O runs as jobs with a ``deadline_s``."""
+before vLLM sees it (a bad unit is a miss); all I/O runs as jobs with a ``deadline_s``. With
+``shared_prefix`` (:mod:`.shared`) a unit is the row's layers' canonical pages in the namespace
+every engine shares, found by SGLang and the standalone engine by the same key (scheme v2)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from layouts import RankContext
 from ..checks import check_bool, check_int, check_seconds
 from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
 from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore
+from ..units.token_keys import TokenKeyScheme, offload_key_of, store_key
+from .shared import SharedPrefix, shared_namespace
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -63,19 +67,12 @@ _METRICS = {  # counter -> its help text
 _FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float"})
 _SHARED_FORMATS = ("v1-nhd", "v1-hnd")
 _MAX_LOOKUP_ROUNDS = 8  # prefix lookups per batch of keys; later keys count as misses
-_UNIT_KEY_BYTES = 96  # a unit's header is then 192 bytes: its payload starts on a cache line
-
-
-def unit_key(key: bytes) -> bytes:
-    """An offload key padded to 96 bytes, its length in the last byte (longer keys: one 0 byte
-    appended), so a unit's payload starts on a cache line (warm loads 5-7% faster)."""
-    n = len(key)
-    return key + bytes(_UNIT_KEY_BYTES - 1 - n) + bytes([n]) if n < _UNIT_KEY_BYTES else key + b"\0"
+unit_key = store_key  # an offload key's unit key: units.token_keys' one padding
 
 
 def offload_key(unit: bytes) -> OffloadKey:
     """The offload key a unit key was made from (:func:`unit_key` inverted)."""
-    return OffloadKey(unit[: unit[-1]] if len(unit) == _UNIT_KEY_BYTES else unit[:-1])
+    return OffloadKey(offload_key_of(unit))
 
 
 def row_namespace(
@@ -172,6 +169,7 @@ class _CanonicalTier(SecondaryTierManager):
         enable_kv_events: bool = False,
         locality: str | None = None,
         model_name: str | None = None,
+        shared_prefix: Mapping[str, Any] | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -188,7 +186,21 @@ class _CanonicalTier(SecondaryTierManager):
         self.deadline_s = deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
         if model_name is not None and not (isinstance(model_name, str) and model_name):
             raise TypeError(f"model_name: expected a non-empty str, got {model_name!r}")
-        self.namespace = row_namespace(offloading_spec, self.block_size_bytes, model_name)
+        self._own = row_namespace(offloading_spec, self.block_size_bytes, model_name)
+        self.namespace, self._scheme = self._own, None
+        if shared_prefix is not None:
+            shared = SharedPrefix.from_option(shared_prefix)
+            name = model_name if model_name is not None else offloading_spec.config.model.name
+            found, why = shared_namespace(shared, offloading_spec, self.block_size_bytes, name)
+            if found is None:
+                logger.warning("%s: not sharing KV with other engines: %s", tier_type, why)
+            else:
+                self.namespace = found
+                hash_tokens = offloading_spec.config.cache.tokens_per_hash
+                self._scheme = TokenKeyScheme(shared.hash_algorithm, hash_tokens)
+        self._payload_bytes = (
+            self.block_size_bytes if self._scheme is None else self.namespace.total_bytes
+        )
         self._tokens_per_chunk = [
             g.tokens_per_block * offloading_spec.config.cache.blocks_per_chunk
             for g in offloading_spec.config.groups
@@ -208,12 +220,11 @@ class _CanonicalTier(SecondaryTierManager):
         self._done: list[JobResult] = []  # refused at submission, or waited for by drain_jobs
         self._removed = 0
         self._reported = dict.fromkeys((CORRUPT_UNITS, EXPIRED_JOBS, REMOVED_UNITS), 0)
+        self._store_options = {} if secret is None else {"secret": secret}
         self._io = JobPool(threads, queue_depth, name=f"ckv-{tier_type}", deadline_s=deadline_s)
         self._lookup_pool = JobPool(1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=deadline_s)
         try:
-            self.store: UnitStore = self._open_store(
-                pool=self._io, **({} if secret is None else {"secret": secret})
-            )
+            self.store: UnitStore = self._open_store(pool=self._io, **self._store_options)
         except BaseException:
             self._io.close(cancel=True)
             self._lookup_pool.close(cancel=True)
@@ -221,6 +232,37 @@ class _CanonicalTier(SecondaryTierManager):
         self._rows = primary_kv_view.cast("B")  # released by shutdown (vLLM then unmaps)
         self._lookups = _Lookups(self)
         self._seed_checked = warn_if_random_hash_seed(tier_type)
+        self._check_shared_hash()
+        if self._scheme is not None:
+            logger.info(
+                "%s: KV shared with every engine in namespace %s (%s, %d tokens per unit)",
+                tier_type,
+                self.namespace.hex[:16],
+                self.namespace.key_scheme,
+                self.namespace.unit_tokens,
+            )
+
+    def _check_shared_hash(self) -> None:
+        """Once vLLM has chosen its seed: keep sharing only when vLLM's ``NONE_HASH`` is the
+        shared scheme's (same algorithm and seed); else one line, and this engine's own
+        namespace from then on (no I/O ran before: keys exist only after the seed)."""
+        scheme = self._scheme
+        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+        if scheme is None or none_hash is None or getattr(self, "_hash_checked", False):
+            return
+        self._hash_checked = True
+        if bytes(none_hash) == scheme.none_hash:
+            return
+        logger.warning(
+            "%s: not sharing KV with other engines: vLLM's block hashes are not %s with seed "
+            "PYTHONHASHSEED (or vllm-none-hash); set prefix_caching_hash_algo and "
+            "PYTHONHASHSEED as on every other engine",
+            self.tier_type,
+            scheme.describe(),
+        )
+        self.store.close(cancel=True)
+        self.namespace, self._scheme, self._payload_bytes = self._own, None, self.block_size_bytes
+        self.store = self._open_store(pool=self._io, **self._store_options)
 
     def _open_store(self, **options: Any) -> UnitStore:  # pragma: no cover - per tier
         raise NotImplementedError
@@ -253,12 +295,13 @@ class _CanonicalTier(SecondaryTierManager):
         for _ in range(_MAX_LOOKUP_ROUNDS):
             if not rest:
                 break
-            n = self.store.lookup([unit_key(k) for k in rest], 0, 1)
+            n = self.store.lookup([unit_key(k) for k in rest], 0, self.namespace.num_layers)
             found += [True] * n + [False] * (n < len(rest))
             rest = rest[n + 1 :]
         return found + [False] * len(rest)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._check_shared_hash()
         result = self._lookups.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
@@ -272,6 +315,7 @@ class _CanonicalTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()
+        self._check_shared_hash()
         if not self._seed_checked:
             self._seed_checked = warn_if_random_hash_seed(self.tier_type)
         self._collect_removed()
@@ -279,8 +323,9 @@ class _CanonicalTier(SecondaryTierManager):
     # ------------------------------------------------------------------ jobs
 
     def _row(self, chunk_id: Any) -> memoryview:
+        """A chunk's unit payload: its whole row, or (shared) the row's canonical pages."""
         start = int(chunk_id) * self.block_size_bytes
-        return self._rows[start : start + self.block_size_bytes]
+        return self._rows[start : start + self._payload_bytes]
 
     def _position(self, key: OffloadKey, req_context: ReqContext) -> int:
         end = req_context.get_offload_key_position(key)
@@ -297,18 +342,20 @@ class _CanonicalTier(SecondaryTierManager):
             self._jobs[job.job_id] = (job, job_metadata.job_id, keys, is_load)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        self._check_shared_hash()
         keys = list(job_metadata.keys)
-        ctx = job_metadata.req_context
+        ctx, layers = job_metadata.req_context, self.namespace.num_layers
         items = [
-            StoreItem(unit_key(key), 0, self._row(cid), self._position(key, ctx), 1)
+            StoreItem(unit_key(key), 0, self._row(cid), self._position(key, ctx), layers)
             for key, cid in zip(keys, job_metadata.chunk_ids)
         ]
         self._submit(self.store.submit_stores(items), job_metadata, keys, False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
+        self._check_shared_hash()
+        keys, layers = list(job_metadata.keys), self.namespace.num_layers
         items = [
-            LoadItem(unit_key(key), 0, 1, self._row(cid))
+            LoadItem(unit_key(key), 0, layers, self._row(cid))
             for key, cid in zip(keys, job_metadata.chunk_ids)
         ]
         self._submit(self.store.submit_loads(items), job_metadata, keys, True)

@@ -51,6 +51,8 @@ class SchedulerEngine:
         spec: str = "TieringOffloadingSpec",
         events: bool = False,
         extra: dict | None = None,
+        layers: list[Layer] = LAYERS,
+        seed: int = 0,
     ) -> None:
         config = make_vllm_config(
             model_config,
@@ -62,9 +64,11 @@ class SchedulerEngine:
         config.cache_config.kv_cache_layout = "LBNHC"  # resolved by the engine core in a run
         if events:
             config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        model = Model(LAYERS, total_heads=8, num_blocks=NUM_BLOCKS)
+        # The model's KV: what the worker connectors a test adds to this engine hold.
+        self.config, self.tp = config, tp
+        self.model = Model(layers, total_heads=8, num_blocks=NUM_BLOCKS, seed=seed)
         self.connector = OffloadingConnector(
-            config, KVConnectorRole.SCHEDULER, model.kv_cache_config(tp)
+            config, KVConnectorRole.SCHEDULER, self.model.kv_cache_config(tp)
         )
         self.manager = self.connector.scheduler.manager
         view = self.manager.primary_tier.get_kv_memoryview()
