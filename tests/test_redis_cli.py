@@ -205,7 +205,11 @@ def test_names_from_the_server_are_escaped_in_every_report_and_exact_in_json(ser
     assert f"model={ESCAPED} rev={ESCAPED}" in out
     code, out, _ = cli(capsys, "stats", server.url, as_json=True)
     [item] = json.loads(out)["namespaces"]
-    assert (item["model"], item["revision"]) == (HOSTILE, HOSTILE)
+    assert (item["model"], item["revision"], item["extra"]) == (
+        HOSTILE,
+        HOSTILE,
+        {"adapter": HOSTILE},
+    )
 
 
 def test_a_server_error_naming_the_target_is_one_escaped_line(tmp_path, capsys) -> None:

@@ -302,6 +302,7 @@ def test_names_and_paths_are_escaped_in_every_report_and_exact_in_json(tmp_path,
         if argv[0] == "stats":
             [item] = report["namespaces"]
             assert (item["model"], item["revision"]) == (HOSTILE, HOSTILE)
+            assert item["extra"] == {"adapter": HOSTILE}
         elif argv[0] == "verify":
             assert [bad["path"] for bad in report["bad"]] == [paths[0]]
         else:

@@ -73,6 +73,7 @@ def stats_item(
         "namespace": ns.hex if ns else hex_,
         "model": ns and ns.model.name,
         "revision": ns and ns.model.revision,
+        "extra": dict(ns.model.extra) if ns else None,
         "format_id": ns and ns.format_id,
         "kv_quant": ns and ns.kv_quant,
         "num_layers": ns and ns.num_layers,
@@ -91,9 +92,11 @@ def print_stats(where: dict, items: list[dict], as_json: bool, note: str = "") -
     lines = [f"{next(iter(where.values()))}: {len(items)} namespace(s){note}"]
     for item in items:
         auth = " authenticated" if item["authenticated"] else ""
+        extra = item.get("extra")  # what else tells two namespaces of one model apart
+        extra = f" extra={json.dumps(extra, sort_keys=True, ensure_ascii=False)}" if extra else ""
         lines.append(
             f"  {item['namespace'][:16]}  model={item['model'] or '?'} "
-            f"rev={item['revision'] or '-'} format={item['format_id'] or '?'} "
+            f"rev={item['revision'] or '-'}{extra} format={item['format_id'] or '?'} "
             f"layers={item['num_layers'] or '?'}{auth}"
         )
         names = [k for k in ("temp_files", "quarantined_files") if k in item]
