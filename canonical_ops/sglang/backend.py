@@ -1,12 +1,15 @@
 """The SGLang HiCache L3 storage backend over canonical-kv's unit stores: a unit is one page of
-tokens, the PP stage's layers, every layer's whole canonical page, keyed by the page's token chain
-(:mod:`.key_index`). Configuration: the ``--hicache-storage-backend-extra-config`` JSON."""
+tokens, the PP stage's layers, every layer's whole canonical page, keyed by key scheme v2 (vLLM's
+block hash of the page's tokens, :mod:`.key_index`) in the namespace every engine shares for the
+model (``StoreNamespace.shared_prefix``). Configuration: the
+``--hicache-storage-backend-extra-config`` JSON."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from layouts import RankContext
@@ -15,6 +18,7 @@ from layouts.cli import escape_text
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
 from ..units.redis_url import REDIS_SCHEMES
+from ..units.token_keys import HASH_ALGORITHMS, TokenKeyScheme
 from .key_index import TokenKeyIndex, install_hash_observer
 from .pages import HostPageCodec, PageTransfer
 from .staging import FragmentStaging, default_staging_dir
@@ -38,6 +42,12 @@ CONFIG_KEYS = {
     "staging_dir": "the TP group's private directory (default /dev/shm/canonical-kv-<uid>)",
     "staging_stale_s": "seconds after which shares of units that never completed go",
     "index_capacity": "SGLang page hashes kept in the local key index",
+    "hash_algorithm": f"unit keys' hash, one of {HASH_ALGORITHMS} (vLLM's "
+    "prefix_caching_hash_algo; default sha256); the seed is PYTHONHASHSEED as in vLLM",
+    "authenticated": "true: units MAC-ed with the fleet's secret (CANONICAL_KV_STORE_SECRET or "
+    "CANONICAL_KV_STORE_SECRET_FILE), as on every engine sharing them",
+    "hash_block_tokens": "tokens per hash block (vLLM's block_size; default the page size); "
+    "the page size must be a multiple",
 }
 # SGLang keeps fp8 KV as uint8 in its host pools: only this name tells the format (one
 # spelling each; the fnuz ones for engines storing those, as SGLang on ROCm MI300 does).
@@ -45,6 +55,7 @@ FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
 
 
 _TYPED = dict(store=str, store_options=dict, model_extra=dict, kv_quant=str, staging_dir=str)
+_TYPED.update(hash_algorithm=str)
 
 
 class BackendSetupError(ValueError):
@@ -129,9 +140,11 @@ class CanonicalStorageCore:
                 f"quantisation (fp8: one of {FP8_FORMATS}) so it never meets other KV"
             )
         ctx = RankContext(self.tp_size, codec.total_kv_heads, self.tp_rank)
-        self.namespace = StoreNamespace.from_specs(
+        own = StoreNamespace.from_specs(
             self.model, [codec.spec] * num_layers, ctx, kv_quant=kv_quant
         )
+        scheme = self._key_scheme(codec.page_size)
+        self.namespace = _shared_or_own(own, scheme)
         self.first, self.end, self.codec = first, end, codec
         self.writers, me = codec.writer_ranks(), [self.tp_rank]
         self.loads = PageTransfer(codec, self.namespace, first, end, me)
@@ -150,8 +163,11 @@ class CanonicalStorageCore:
             except (TypeError, ValueError) as error:
                 raise BackendSetupError(str(error)) from None
             self.staging.sweep()
-        self.index = TokenKeyIndex(codec.page_size, _int_option(extra, "index_capacity", 1 << 20))
+        capacity = _int_option(extra, "index_capacity", 1 << 20)
+        self.index = TokenKeyIndex(scheme, codec.page_size, capacity)
         store, options = extra["store"], dict(extra.get("store_options", {}))
+        if _authenticated(extra):
+            options["secret"] = _store_secret()
         if store.partition("://")[0] in REDIS_SCHEMES:
             from ..units import RedisStore
 
@@ -159,6 +175,16 @@ class CanonicalStorageCore:
         else:
             self.tier = FileStore(store, self.namespace, **options)
         self.pool = pool
+
+    def _key_scheme(self, page_size: int) -> TokenKeyScheme:
+        extra = self.config
+        block = _int_option(extra, "hash_block_tokens", page_size)
+        try:
+            scheme = TokenKeyScheme(extra.get("hash_algorithm", "sha256"), block)
+            scheme.check_unit_tokens(page_size)
+        except ValueError as error:
+            raise BackendSetupError(f"extra_config: {error} (the page size)") from None
+        return scheme
 
     def _codec(self, pool: Any) -> HostPageCodec:
         if (
@@ -285,6 +311,48 @@ class CanonicalStorageCore:
             else:
                 ready[block] = True
         return ready
+
+
+def _authenticated(extra: dict) -> bool:
+    value = extra.get("authenticated", False)
+    if not isinstance(value, bool):
+        raise BackendSetupError(
+            f"extra_config.authenticated: expected true or false, got {value!r}"
+        )
+    return value
+
+
+def _store_secret() -> Any:
+    from ..units import StoreSecret
+
+    try:
+        secret = StoreSecret.from_env()
+    except ValueError as error:
+        raise BackendSetupError(f"extra_config.authenticated: {error}") from None
+    if secret is None:
+        raise BackendSetupError(
+            "extra_config.authenticated: expected CANONICAL_KV_STORE_SECRET or "
+            "CANONICAL_KV_STORE_SECRET_FILE in the environment of every engine"
+        )
+    return secret
+
+
+def _shared_or_own(own: StoreNamespace, scheme: TokenKeyScheme) -> StoreNamespace:
+    """The namespace every engine shares for this model and ``scheme`` (one start-up line),
+    or, where its layers cannot be shared (opaque: read at this topology only), ``own`` with
+    the scheme still described (its keys are the scheme's) and one line saying why."""
+    try:
+        shared = own.shared_prefix(scheme)
+    except ValueError as error:
+        logger.warning("canonical-kv: not sharing KV with other engines (%s); working alone", error)
+        return replace(own, key_scheme=scheme.describe())
+    logger.info(
+        "canonical-kv: KV shared with every engine in namespace %s (%s, %d tokens per unit)",
+        shared.hex[:16],
+        scheme.describe(),
+        shared.unit_tokens,
+    )
+    return shared
 
 
 def _each(job: Any, count: int) -> list[Any]:

@@ -1,6 +1,7 @@
-"""SGLang page hash -> canonical store key: a local index fed by wrapping SGLang's own
-``get_hash_str`` (its storage calls carry only page hashes). Fail closed: a hash never seen has
-no canonical key, so it is a miss and never stored; it never maps to another prefix."""
+"""SGLang page hash -> canonical store key (key scheme v2, ``units.token_keys``: vLLM's block
+hash of the page's last hash block): a local index fed by wrapping SGLang's own ``get_hash_str``
+(its storage calls carry only page hashes). Fail closed: a hash never seen has no canonical key,
+so it is a miss and never stored; it never maps to another prefix."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checks import check_int, check_type
-from ..units.token_keys import ROOT_KEY, chain_keys
+from ..units.token_keys import TokenKeyScheme
 
 __all__ = ["TokenKeyIndex", "install_hash_observer", "observed_token_ids"]
 
@@ -23,22 +24,29 @@ _install_lock = threading.Lock()
 
 
 class TokenKeyIndex:
-    """Bounded map (least recently used go first) from an engine's page hash to the canonical
-    key of the same block of ``block_tokens`` tokens (SGLang's ``page_size``)."""
+    """Bounded map (least recently used go first) from an engine's page hash to the key
+    ``scheme`` gives the same page of ``page_size`` tokens (SGLang's ``page_size``, a whole
+    number of the scheme's hash blocks)."""
 
-    def __init__(self, block_tokens: int, capacity: int = 1 << 20) -> None:
-        self.block_tokens = check_int("block_tokens", block_tokens, minimum=1)
+    def __init__(self, scheme: TokenKeyScheme, page_size: int, capacity: int = 1 << 20) -> None:
+        self.scheme = check_type("scheme", scheme, TokenKeyScheme)
+        self.page_size = scheme.check_unit_tokens(check_int("page_size", page_size, minimum=1))
         self.capacity = check_int("capacity", capacity, minimum=1)
+        # engine page hash -> the scheme's hash of the page's last hash block
         self._map: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def canonical(self, engine_key: str) -> bytes | None:
-        """The canonical key recorded for ``engine_key``, or None."""
+    def _last_hash(self, engine_key: str) -> bytes | None:
         with self._lock:
-            key = self._map.get(engine_key)
-            if key is not None:
+            value = self._map.get(engine_key)
+            if value is not None:
                 self._map.move_to_end(engine_key)
-            return key
+            return value
+
+    def canonical(self, engine_key: str) -> bytes | None:
+        """The store key recorded for ``engine_key``, or None."""
+        value = self._last_hash(engine_key)
+        return None if value is None else self.scheme.unit_key(value)
 
     def prefix(self, engine_keys: Sequence[str]) -> list[bytes]:
         """Canonical keys of the leading ``engine_keys`` recorded (up to the first unknown)."""
@@ -53,12 +61,15 @@ class TokenKeyIndex:
     def observe(
         self, token_ids: Sequence[int], prior: str | None, engine_keys: Sequence[str]
     ) -> int:
-        """Record the canonical keys of ``engine_keys`` (block ``i``'s hash of ``token_ids``,
-        chained after the block hashed ``prior``, None: none; unknown: nothing); how many."""
-        parent = ROOT_KEY if prior is None else self.canonical(prior)
-        if parent is None:
+        """Record the store keys of ``engine_keys`` (page ``i``'s hash of ``token_ids``,
+        chained after the page hashed ``prior``, None: none; unknown: nothing); how many."""
+        parent = None if prior is None else self._last_hash(prior)
+        if prior is not None and parent is None:
             return 0
-        keys = chain_keys(parent, token_ids, self.block_tokens)[: len(engine_keys)]
+        per_page = self.page_size // self.scheme.hash_block_tokens
+        tokens = token_ids[: len(engine_keys) * self.page_size]
+        hashes = self.scheme.block_hashes(tokens, parent)[per_page - 1 :: per_page]
+        keys = hashes[: len(engine_keys)]
         with self._lock:
             for engine_key, key in zip(engine_keys, keys):
                 self._map[engine_key] = key
@@ -86,7 +97,7 @@ def observed_token_ids(key: Any) -> list[int] | None:
 def _notify(token_ids: Any, prior: Any, page_size: Any, result: Any) -> None:
     if not isinstance(result, list) or not all(isinstance(h, str) for h in result):
         return
-    observers = [o for o in list(_observers) if o.block_tokens == page_size]
+    observers = [o for o in list(_observers) if o.page_size == page_size]
     tokens = observed_token_ids(token_ids) if observers else None
     if tokens is not None and (prior is None or isinstance(prior, str)):
         for index in observers:

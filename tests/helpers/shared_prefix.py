@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import canonical_ops
-from canonical_ops.units import FileStore, ModelIdentity, RedisStore, StoreNamespace
+from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
 from canonical_ops.units.token_keys import DEFAULT_SEED, TokenKeyScheme
 from layouts import LayerSpec, RankContext, derive_group_mappings
 
@@ -69,7 +69,9 @@ def _plan(tp: int, rank: int, caches, rows):
 
 
 def open_store(location: str, ns: StoreNamespace, **options):
-    if "://" in location:
+    if "://" in location:  # the SGLang venv has no redis client: imported only here
+        from canonical_ops.units import RedisStore
+
         return RedisStore(location, ns, **options)
     return FileStore(location, ns, **options)
 

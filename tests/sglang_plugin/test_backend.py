@@ -33,7 +33,7 @@ from sglang_harness import (
 )
 
 from canonical_ops.sglang import BackendSetupError
-from canonical_ops.units.token_keys import block_keys
+from canonical_ops.units.token_keys import TokenKeyScheme
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -174,7 +174,7 @@ def test_corrupt_unit_is_a_miss_and_writes_nothing(extra, store_dir):
     ((pool, backend),) = group(MODEL, 1, "page_first", extra)
     keys = sglang_keys()
     write(MODEL, [(pool, backend)], 1, keys)
-    canonical = block_keys(TOKENS, MODEL.page_size)
+    canonical = TokenKeyScheme("sha256", MODEL.page_size).unit_keys(TOKENS, MODEL.page_size)
     # Corrupt the second block's unit (its directory is named by sha256 of its key).
     import hashlib
 
@@ -215,7 +215,7 @@ def test_keys_follow_the_token_chain_across_calls(extra):
     page = MODEL.page_size
     head = get_storage_hash_str(TOKENS[:page], None, page_size=page)
     tail = get_storage_hash_str(TOKENS[page:], head[-1], page_size=page)
-    expected = block_keys(TOKENS, page)
+    expected = TokenKeyScheme("sha256", page).unit_keys(TOKENS, page)
     assert [backend.core.index.canonical(k) for k in head + tail] == expected
 
 

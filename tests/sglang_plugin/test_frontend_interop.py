@@ -16,12 +16,13 @@ from sglang_harness import Model, check_pages, fill_pages, make_backend, make_po
 
 import canonical_ops
 from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
-from canonical_ops.units.token_keys import block_keys
+from canonical_ops.units.token_keys import TokenKeyScheme
 from layouts import LayerSpec, RankContext, derive_group_mappings
 
 MODEL = Model(name="test/frontend-shared", total_heads=4, layers=3)
 BLOCKS = 3
 TOKENS = list(range(7, 7 + BLOCKS * MODEL.page_size))
+SCHEME = TokenKeyScheme("sha256", MODEL.page_size)  # the backend's default: hash blocks = pages
 
 
 def frontend_spec(model: Model, tp: int) -> LayerSpec:
@@ -31,9 +32,10 @@ def frontend_spec(model: Model, tp: int) -> LayerSpec:
 
 def frontend_namespace(model: Model, tp: int) -> StoreNamespace:
     ctx = RankContext(tp, model.total_heads, 0)
-    return StoreNamespace.from_specs(
+    own = StoreNamespace.from_specs(
         ModelIdentity(model.name), [frontend_spec(model, tp)] * model.layers, ctx
     )
+    return own.shared_prefix(SCHEME)
 
 
 def frontend_caches(model: Model, tp: int, rank: int, *, truth: bool):
@@ -63,7 +65,7 @@ def test_frontend_tp4_writes_sglang_tp2_reads(extra):
     for rank in range(4):
         caches = frontend_caches(MODEL, 4, rank, truth=True)
         canonical_ops.store(caches, rows, plan_for(MODEL, 4, rank, caches, rows), ids, ids)
-    keys = block_keys(TOKENS, MODEL.page_size)
+    keys = SCHEME.unit_keys(TOKENS, MODEL.page_size)
     with FileStore(extra["store"], namespace) as store:
         for i, key in enumerate(keys):
             assert store.store(key, 0, rows[i].numpy(), i).status == "ok"
@@ -95,7 +97,7 @@ def test_sglang_tp2_writes_frontend_tp4_reads(extra, layout):
     namespace = frontend_namespace(MODEL, 4)
     rows = torch.zeros(BLOCKS, namespace.layer_bytes(0, MODEL.layers), dtype=torch.uint8)
     with FileStore(extra["store"], namespace) as store:
-        keys = block_keys(TOKENS, MODEL.page_size)
+        keys = SCHEME.unit_keys(TOKENS, MODEL.page_size)
         assert store.lookup(keys, 0, MODEL.layers) == BLOCKS
         for i, key in enumerate(keys):
             assert store.load(key, 0, MODEL.layers, rows[i].numpy()).status == "ok"
