@@ -1,0 +1,286 @@
+"""Verified at full speed (issue 30): a warm load is one pass over a mapping of the page cache
+(each block snapshotted into L1, hashed, streamed on), a cold one hashes and streams from its
+buffer a block at a time. Any shortcut keeps the guarantee: a byte flipped on disk, a unit
+rewritten or truncated by another process, a unit read again after its page-cache pages were
+dropped: each is a miss (quarantined), never a load, and never a crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from helpers.store import child_env, row, small_namespace, unit_files
+
+from canonical_ops.units import FileStore
+from canonical_ops.units import files as files_mod
+
+# 64 layers of 16 KiB: a 1 MiB payload, many 4 KiB blocks and four 256 KiB pieces.
+NS = small_namespace(64, head_size=64, block_size=16)
+HEADER_BYTES = 104  # 96 + an 8-byte integer key (checked below): blocks off page bounds
+
+needs_cachestat = pytest.mark.skipif(
+    tuple(int(x) for x in os.uname().release.split(".")[:2]) < (6, 5),
+    reason="cachestat (Linux 6.5) tells a warm unit from a cold one",
+)
+
+
+def stages(monkeypatch, action=None) -> list[str]:
+    """Record the native hook's stages; ``action(stage, path)`` runs at each."""
+    seen: list[str] = []
+
+    def hook(stage: str, path: str, n: int) -> None:
+        seen.append(stage)
+        if action is not None:
+            action(stage, path)
+
+    monkeypatch.setattr(files_mod, "_test_hook", hook)
+    return seen
+
+
+def warm(path: str) -> None:
+    with open(path, "rb") as f:
+        f.read()
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def flip(path: str, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0x5A]), offset)
+    finally:
+        os.close(fd)
+
+
+def in_another_process(code: str, *args: str) -> None:
+    subprocess.run([sys.executable, "-c", code, *args], check=True, env=child_env(), timeout=60)
+
+
+FLIP = "import os,sys; fd=os.open(sys.argv[1],os.O_RDWR); o=int(sys.argv[2]); "
+FLIP += "os.pwrite(fd,bytes([os.pread(fd,1,o)[0]^0x5A]),o)"
+TRUNCATE = "import os,sys; os.truncate(sys.argv[1], int(sys.argv[2]))"
+
+
+def stored(tmp_path, **options) -> tuple[FileStore, str]:
+    store = FileStore(tmp_path, NS, fsync=False, **options)
+    assert store.store(7, 0, row(NS, 7), 0).ok
+    (path,) = unit_files(store)
+    assert os.path.getsize(path) == HEADER_BYTES + NS.total_bytes
+    return store, path
+
+
+def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
+    """The load failed as a miss, wrote nothing readable as a load, and quarantined."""
+    dest = np.zeros(NS.layer_bytes(first, end), np.uint8)
+    job = store.load(7, first, end, dest)
+    return job.status == "miss" and not unit_files(store) and store.metrics().quarantined == 1
+
+
+# ---------------------------------------------------------------------- the fast paths load right
+
+
+@needs_cachestat
+@pytest.mark.parametrize("shift", [0, 1, 3, 60], ids=lambda s: f"dest+{s}")
+@pytest.mark.parametrize("layers", [(0, 64), (1, 63), (17, 18)], ids=lambda r: f"{r[0]}-{r[1]}")
+def test_a_warm_load_is_one_pass_over_a_mapping(tmp_path, monkeypatch, shift, layers):
+    """Whole or partial ranges, into destinations at any alignment (the streamed copy's
+    head and tail): exactly the stored bytes, through the mapping (the "map" stage)."""
+    first, end = layers
+    store, path = stored(tmp_path)
+    with store:
+        warm(path)
+        seen = stages(monkeypatch)
+        backing = np.full(NS.layer_bytes(first, end) + 64, 0xEE, np.uint8)
+        dest = backing[shift : shift + NS.layer_bytes(first, end)]
+        assert store.load(7, first, end, dest).ok
+        assert seen == ["map"] and np.array_equal(dest, row(NS, 7, first, end))
+        assert (backing[:shift] == 0xEE).all() and (backing[shift + dest.size :] == 0xEE).all()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+def test_a_cold_load_streams_the_verified_blocks(tmp_path, monkeypatch, direct):
+    store, path = stored(tmp_path, direct_io=direct)
+    with store:
+        drop_cache(path)
+        seen = stages(monkeypatch)
+        dest = np.zeros(NS.layer_bytes(1, 63) + 1, np.uint8)[1:]  # an odd address
+        assert store.load(7, 1, 63, dest).ok and np.array_equal(dest, row(NS, 7, 1, 63))
+        assert "map" not in seen and "read" in seen
+
+
+@needs_cachestat
+def test_an_expired_job_writes_nothing_through_the_mapping(tmp_path, monkeypatch):
+    """The worker is stuck after mapping (a slow page walk): the deadline passes, the job
+    expires, and the destination is never written, even when the worker goes on."""
+    monkeypatch.setattr(files_mod, "_test_hook", None)
+    with FileStore(tmp_path, NS, fsync=False, deadline_s=0.2) as store:
+        assert store.store(7, 0, row(NS, 7), 0).ok
+        warm(unit_files(store)[0])
+        stages(monkeypatch, lambda stage, path: time.sleep(0.6) if stage == "map" else None)
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        job = store.pool.wait(store.submit_load(7, 0, 64, dest), timeout=10)
+        assert job.status == "expired"
+        time.sleep(0.8)  # the abandoned worker wakes up and finds its claim refused
+        assert not dest.any()
+
+
+# ---------------------------------------------------------------------- a shortcut keeps the guarantee
+
+
+@needs_cachestat
+@pytest.mark.parametrize("where", ["header", "first block", "mid", "last byte"])
+def test_a_byte_flipped_on_disk_is_a_miss_from_the_page_cache(tmp_path, monkeypatch, where):
+    offset = {"header": 5, "first block": HEADER_BYTES, "mid": 300_000}.get(
+        where, HEADER_BYTES + NS.total_bytes - 1
+    )
+    store, path = stored(tmp_path)
+    with store:
+        flip(path, offset)
+        warm(path)
+        seen = stages(monkeypatch)
+        assert is_a_miss(store) and seen == ["map"]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+def test_a_byte_flipped_then_read_again_from_the_device_is_a_miss(tmp_path, monkeypatch, direct):
+    """The unit's pages were dropped from the page cache (after a load from it) and read
+    again, a byte flipped meanwhile: the device's bytes are verified too."""
+    store, path = stored(tmp_path, direct_io=direct)
+    with store:
+        assert store.load(7, 0, 64, np.zeros(NS.total_bytes, np.uint8)).ok  # warm, fine
+        flip(path, HEADER_BYTES + 123_457)
+        drop_cache(path)
+        seen = stages(monkeypatch)
+        assert is_a_miss(store, 2, 5) and "read" in seen and "map" not in seen
+
+
+@needs_cachestat
+def test_a_unit_rewritten_by_another_process_while_mapped_is_a_miss(tmp_path, monkeypatch):
+    store, path = stored(tmp_path)
+    with store:
+        warm(path)
+        stages(
+            monkeypatch,
+            lambda stage, p: in_another_process(FLIP, p, str(HEADER_BYTES + 400_000)),
+        )
+        assert is_a_miss(store)
+
+
+@needs_cachestat
+@pytest.mark.parametrize("keep", [0, 100, HEADER_BYTES + 5000, HEADER_BYTES + 300_000])
+def test_a_unit_truncated_by_another_process_while_mapped_is_a_miss(tmp_path, monkeypatch, keep):
+    """Pages past the new end fault (SIGBUS) inside the mapped read: the unit is corrupt
+    (a miss), the process lives on, and the next unit loads."""
+    store, path = stored(tmp_path)
+    with store:
+        assert store.store(8, 0, row(NS, 8), 0).ok
+        warm(path)
+        cut = lambda stage, p: p == path and in_another_process(TRUNCATE, p, str(keep))  # noqa: E731
+        stages(monkeypatch, cut)
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        job = store.load(7, 0, 64, dest)
+        assert job.status == "miss"
+        # A cut inside the first page leaves it mapped, zeroed past the end: a bad header.
+        assert ("SIGBUS" if keep >= 4096 or keep == 0 else "another key") in job.detail
+        assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(NS, 8))
+
+
+@needs_cachestat
+def test_loads_racing_a_truncating_process_load_right_or_miss(tmp_path):
+    """Another process truncates the unit and writes it back, over and over, while this one
+    loads it: every load is the stored bytes or a miss; nothing crashes."""
+    expected = row(NS, 7)
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        assert store.store(7, 0, expected, 0).ok
+        (path,) = unit_files(store)
+        with open(path, "rb") as f:
+            original = f.read()
+        copy = tmp_path / "original.bin"
+        copy.write_bytes(original)
+        racer = subprocess.Popen(
+            [sys.executable, "-c", RACER, path, str(copy), "2.0"], env=child_env()
+        )
+        ok = missed = 0
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        try:
+            while racer.poll() is None:
+                dest[:] = 0
+                job = store.load(7, 0, 64, dest)
+                if job.ok:
+                    assert np.array_equal(dest, expected)
+                    ok += 1
+                else:
+                    assert job.status == "miss", job.detail
+                    missed += 1
+                    if not unit_files(store):  # quarantined: put it back for the racer
+                        store.store(7, 0, expected, 0)
+        finally:
+            racer.wait(timeout=30)
+        assert racer.returncode == 0 and ok + missed > 20
+
+
+RACER = """
+import os, sys, time
+path, original, seconds = sys.argv[1], open(sys.argv[2], "rb").read(), float(sys.argv[3])
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        time.sleep(0.001)
+        continue
+    os.ftruncate(fd, len(original) // 3)
+    time.sleep(0.0005)
+    os.pwrite(fd, original, 0)
+    os.close(fd)
+    time.sleep(0.0005)
+"""
+
+
+@needs_cachestat
+def test_a_sigbus_outside_a_mapped_read_still_ends_the_process(tmp_path):
+    """The handler takes only faults inside the span a reader maps: any other SIGBUS ends
+    the process as before (a bug elsewhere is never swallowed)."""
+    code = """
+        import mmap, os, sys, faulthandler
+        import numpy as np
+        faulthandler.disable()
+        from helpers.store import row, small_namespace
+        from canonical_ops.units import FileStore
+        ns = small_namespace(8)
+        with FileStore(sys.argv[1], ns, fsync=False) as store:
+            assert store.store(1, 0, row(ns, 1), 0).ok
+            assert store.load(1, 0, 8, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
+        path = os.path.join(sys.argv[1], "victim")
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
+        fd = os.open(path, os.O_RDWR)
+        m = mmap.mmap(fd, 8192)
+        os.ftruncate(fd, 0)
+        print("touching", flush=True)
+        m[5000]
+        print("survived", flush=True)
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGBUS, proc.stderr
+    assert "touching" in proc.stdout and "survived" not in proc.stdout
