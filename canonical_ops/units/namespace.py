@@ -89,8 +89,9 @@ class StoreNamespace:
     (empty otherwise, then not described); ``unit_kind``: "kv" (one block's pages of
     ``layers``) or "state" (one request's slots of ``states``); ``key_id``/``secret``:
     an authenticated namespace's (:meth:`authenticated`); ``key_scheme``: the unit keys'
-    scheme when every engine shares it (:meth:`shared_prefix`; "" : the engine's own). A unit of layers ``[first,
-    end)`` is their canonical pages in layer order, :meth:`layer_bytes` long.
+    scheme when every engine shares it (:meth:`shared_prefix`; "": the engine's own). A unit
+    of layers ``[first, end)`` is their canonical pages in layer order, :meth:`layer_bytes`
+    long.
     """
 
     format_id: str
