@@ -98,18 +98,12 @@ def _order(config: Any) -> str:
 def shared_namespace(
     shared: SharedPrefix, spec: Any, row_bytes: int, model_name: str
 ) -> tuple[StoreNamespace | None, str]:
-    """The shared namespace of ``spec``'s rows (a vLLM ``OffloadingSpec``), or None and the
-    one-line reason why this engine cannot share."""
-    from .spec import CanonicalOffloadingSpec  # the worker that proves the geometry
-
+    """The shared namespace of ``spec``'s rows (a ``CanonicalOffloadingSpec``: the caller
+    checks, as only its worker proves the geometry), or None and the one-line reason why this
+    engine cannot share."""
     config = spec.config
     parallel, cache = config.parallel, config.cache
     dtype = str(config.model.dtype).removeprefix("torch.")
-    if not isinstance(spec, CanonicalOffloadingSpec):
-        return (
-            None,
-            "spec_name is not CanonicalOffloadingSpec (only its worker checks the geometry)",
-        )
     if len(config.groups) != 1:
         return None, f"{len(config.groups)} KV-cache groups (hybrid models are keyed per group)"
     if not parallel.is_parallelism_agnostic or parallel.pp_size > 1:

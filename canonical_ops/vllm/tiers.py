@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from layouts import RankContext
+from layouts.cli import escape_text
 
 from ..checks import check_bool, check_int, check_seconds
 from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
@@ -191,9 +192,19 @@ class _CanonicalTier(SecondaryTierManager):
         if shared_prefix is not None:
             shared = SharedPrefix.from_option(shared_prefix)
             name = model_name if model_name is not None else offloading_spec.config.model.name
-            found, why = shared_namespace(shared, offloading_spec, self.block_size_bytes, name)
+            from .spec import CanonicalOffloadingSpec  # the worker that proves the geometry
+
+            if isinstance(offloading_spec, CanonicalOffloadingSpec):
+                found, why = shared_namespace(shared, offloading_spec, self.block_size_bytes, name)
+            else:
+                found = None
+                why = (
+                    "spec_name is not CanonicalOffloadingSpec (only its worker checks the geometry)"
+                )
             if found is None:
-                logger.warning("%s: not sharing KV with other engines: %s", tier_type, why)
+                logger.warning(
+                    "%s: not sharing KV with other engines: %s", tier_type, escape_text(why)
+                )
             else:
                 self.namespace = found
                 hash_tokens = offloading_spec.config.cache.tokens_per_hash
