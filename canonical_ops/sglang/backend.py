@@ -9,11 +9,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from layouts import RankContext
+import numpy as np
+
+from layouts import LayerSpec, RankContext
 from layouts.cli import escape_text
+from layouts.tokens import join_units, split_unit
 
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
@@ -46,6 +49,8 @@ CONFIG_KEYS = {
     "prefix_caching_hash_algo; default sha256); the seed is PYTHONHASHSEED as in vLLM",
     "authenticated": "true: units MAC-ed with the fleet's secret (CANONICAL_KV_STORE_SECRET or "
     "CANONICAL_KV_STORE_SECRET_FILE), as on every engine sharing them",
+    "read_unit_tokens": "list: other engines' tokens per unit (e.g. vLLM's offloaded block) "
+    "read across (a multiple or divisor of the page size: units split or joined)",
     "hash_block_tokens": "tokens per hash block (vLLM's block_size; default the page size); "
     "the page size must be a multiple",
 }
@@ -168,13 +173,48 @@ class CanonicalStorageCore:
         store, options = extra["store"], dict(extra.get("store_options", {}))
         if _authenticated(extra):
             options["secret"] = _store_secret()
-        if store.partition("://")[0] in REDIS_SCHEMES:
-            from ..units import RedisStore
-
-            self.tier = RedisStore(store, self.namespace, **options)
-        else:
-            self.tier = FileStore(store, self.namespace, **options)
+        self.across: list[_Across] = []
+        self.tier = _open_store(store, self.namespace, options)
+        try:
+            specs = (codec.spec, num_layers, ctx, kv_quant)
+            for tokens, namespace in self._across_namespaces(*specs, scheme):
+                found = _Across(tokens, namespace, _open_store(store, namespace, options))
+                self.across.append(found)
+        except BaseException:
+            self.close()
+            raise
         self.pool = pool
+
+    def _across_namespaces(self, spec, num_layers, ctx, kv_quant, scheme) -> list:
+        """(tokens, namespace) of each ``read_unit_tokens`` this backend can read across: a
+        multiple or divisor of the page size (one line says why another is not read)."""
+        wanted = self.config.get("read_unit_tokens", [])
+        if not isinstance(wanted, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in wanted
+        ):
+            raise BackendSetupError(
+                f"extra_config.read_unit_tokens: expected a list of positive ints (other "
+                f"engines' tokens per unit), got {wanted!r:.80}"
+            )
+        out, page = [], spec.block_size
+        for tokens in dict.fromkeys(wanted):
+            why = None
+            if tokens == page:
+                continue
+            if tokens % page and page % tokens:
+                why = f"neither a multiple nor a divisor of the page size {page}"
+            elif not self.namespace.key_scheme or self.namespace.topology_bound:
+                why = "this backend's own units are not shared"
+            else:
+                try:
+                    layers = [replace(spec, block_size=tokens)] * num_layers
+                    own = StoreNamespace.from_specs(self.model, layers, ctx, kv_quant=kv_quant)
+                    out.append((tokens, own.shared_prefix(scheme)))
+                except ValueError as error:
+                    why = str(error)
+            if why is not None:
+                logger.warning("canonical-kv: not reading units of %d tokens: %s", tokens, why)
+        return out
 
     def _key_scheme(self, page_size: int) -> TokenKeyScheme:
         extra = self.config
@@ -223,7 +263,7 @@ class CanonicalStorageCore:
         return HostPageCodec("full", *common, *dims)
 
     def close(self) -> None:
-        for store in (self.tier, self.staging):
+        for store in (self.tier, self.staging, *(a.store for a in getattr(self, "across", ()))):
             if store is not None:
                 store.close()
 
@@ -236,7 +276,70 @@ class CanonicalStorageCore:
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         ckeys = self._index().prefix(keys)
-        return self.tier.lookup(ckeys, self.first, self.end) if ckeys else 0
+        found = self.tier.lookup(ckeys, self.first, self.end) if ckeys else 0
+        while found < len(keys) and any(
+            across.store.lookup(ukeys, self.first, self.end) == len(ukeys)
+            for across, ukeys, _ in self._across_units(keys, found)
+        ):
+            found += 1
+        return found
+
+    def _across_units(self, keys: Sequence[str], i: int) -> list[tuple[_Across, list, int]]:
+        """Where page ``i`` of ``keys`` lies in units of other token counts: (the namespace's
+        reader, its units' keys, the page's part of the one unit or -1 to join them)."""
+        out, index, page = [], self.index, self.codec.page_size
+        for across in self.across:
+            if across.tokens < page:
+                ukeys = index.unit_keys_within(keys[i], across.tokens)
+                if ukeys is not None:
+                    out.append((across, ukeys, -1))
+                continue
+            parts, at = across.tokens // page, index.position(keys[i])
+            last = None if at is None else i + parts - 1 - at % parts
+            if (
+                last is not None
+                and last < len(keys)
+                and index.position(keys[last]) == at + parts - 1 - at % parts
+            ):
+                out.append((across, [index.canonical(keys[last])], at % parts))
+        return out
+
+    def _load_across(self, keys: Sequence[str], pages: Sequence[Any], done: int) -> int:
+        """Fill pages from ``done`` on from units of other token counts (split or joined in
+        ``layouts.tokens``), verified as any load; how many pages are filled in all."""
+        transfer, units = self.loads, {}
+        while done < len(pages):
+            payload = None
+            for across, ukeys, part in self._across_units(keys, done):
+                payload = self._across_payload(across, ukeys, part, units)
+                if payload is not None:
+                    break
+            if payload is None:
+                return done
+            transfer.rows[0].numpy()[:] = payload
+            transfer.extract(1)
+            transfer.give(0, pages[done])
+            done += 1
+        return done
+
+    def _across_payload(self, across: _Across, ukeys: list, part: int, units: dict) -> Any:
+        """This page's unit bytes from ``ukeys``' verified units (``units``: loaded ones)."""
+        loaded = []
+        for key in ukeys:
+            if key not in units:
+                row = np.empty(across.namespace.layer_bytes(self.first, self.end), np.uint8)
+                outcome = across.store.load(key, self.first, self.end, row)
+                if outcome.status != "ok":
+                    if outcome.status != "miss":
+                        _ok(outcome, "load")  # logs why
+                    return None
+                units.clear() if len(units) > 8 else None
+                units[key] = row
+            loaded.append(units[key])
+        specs = across.specs(self.first, self.end)
+        if part < 0:
+            return join_units(loaded, specs)
+        return split_unit(loaded[0], specs, across.tokens // self.codec.page_size)[part]
 
     def load_pages(self, keys: Sequence[str], pages: Sequence[Any]) -> int:
         """Fill ``pages`` (host page views, or SGLang's flat forms) from the store, a prefix;
@@ -256,6 +359,8 @@ class CanonicalStorageCore:
                 done += found
                 if found < len(chunk):
                     break
+            if self.across:
+                done = self._load_across(keys, pages, done)
         return done
 
     def store_pages(self, keys: Sequence[str], pages: Sequence[Any], positions: Sequence[int]):
@@ -311,6 +416,36 @@ class CanonicalStorageCore:
             else:
                 ready[block] = True
         return ready
+
+
+# A LayerGeometry's fields that make its whole layer's LayerSpec (layouts.tokens' view).
+_PAGE_FIELDS = ("attention", "tokens_per_page", "total_kv_heads", "head_size", "dtype")
+_PAGE_FIELDS += ("packing", "order")
+
+
+@dataclass(frozen=True)
+class _Across:
+    """A reader of the shared units of another token count (``read_unit_tokens``)."""
+
+    tokens: int
+    namespace: StoreNamespace
+    store: Any
+
+    def specs(self, first: int, end: int) -> list[LayerSpec]:
+        """Each layer's whole canonical page in ``[first, end)`` (``layouts.tokens``' view)."""
+        return [
+            LayerSpec(*(getattr(g, n) for n in _PAGE_FIELDS))
+            for g in self.namespace.layers[first:end]
+        ]
+
+
+def _open_store(location: str, namespace: StoreNamespace, options: dict) -> Any:
+    """The unit store at ``location`` (a directory, or a Redis URL) for ``namespace``."""
+    if location.partition("://")[0] in REDIS_SCHEMES:
+        from ..units import RedisStore
+
+        return RedisStore(location, namespace, **options)
+    return FileStore(location, namespace, **options)
 
 
 def _authenticated(extra: dict) -> bool:

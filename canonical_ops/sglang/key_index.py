@@ -26,17 +26,19 @@ _install_lock = threading.Lock()
 class TokenKeyIndex:
     """Bounded map (least recently used go first) from an engine's page hash to the key
     ``scheme`` gives the same page of ``page_size`` tokens (SGLang's ``page_size``, a whole
-    number of the scheme's hash blocks)."""
+    number of the scheme's hash blocks), and to what keys units of other token counts
+    (:meth:`unit_keys_within`, :meth:`position`)."""
 
     def __init__(self, scheme: TokenKeyScheme, page_size: int, capacity: int = 1 << 20) -> None:
         self.scheme = check_type("scheme", scheme, TokenKeyScheme)
         self.page_size = scheme.check_unit_tokens(check_int("page_size", page_size, minimum=1))
         self.capacity = check_int("capacity", capacity, minimum=1)
-        # engine page hash -> the scheme's hash of the page's last hash block
-        self._map: OrderedDict[str, bytes] = OrderedDict()
+        # engine page hash -> (the scheme's hash of each hash block of the page, the page's
+        # index in its sequence)
+        self._map: OrderedDict[str, tuple[tuple[bytes, ...], int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _last_hash(self, engine_key: str) -> bytes | None:
+    def _entry(self, engine_key: str) -> tuple[tuple[bytes, ...], int] | None:
         with self._lock:
             value = self._map.get(engine_key)
             if value is not None:
@@ -45,8 +47,23 @@ class TokenKeyIndex:
 
     def canonical(self, engine_key: str) -> bytes | None:
         """The store key recorded for ``engine_key``, or None."""
-        value = self._last_hash(engine_key)
-        return None if value is None else self.scheme.unit_key(value)
+        entry = self._entry(engine_key)
+        return None if entry is None else self.scheme.unit_key(entry[0][-1])
+
+    def position(self, engine_key: str) -> int | None:
+        """The page's index in its sequence (page ``p`` holds tokens ``[p * page_size, (p +
+        1) * page_size)``), or None."""
+        entry = self._entry(engine_key)
+        return None if entry is None else entry[1]
+
+    def unit_keys_within(self, engine_key: str, unit_tokens: int) -> list[bytes] | None:
+        """Store keys of the units of ``unit_tokens`` (a divisor of the page size, whole hash
+        blocks) that make up the page, first first; None when the page is unknown."""
+        entry = self._entry(engine_key)
+        if entry is None:
+            return None
+        per_unit = self.scheme.check_unit_tokens(unit_tokens) // self.scheme.hash_block_tokens
+        return [self.scheme.unit_key(h) for h in entry[0][per_unit - 1 :: per_unit]]
 
     def prefix(self, engine_keys: Sequence[str]) -> list[bytes]:
         """Canonical keys of the leading ``engine_keys`` recorded (up to the first unknown)."""
@@ -63,20 +80,24 @@ class TokenKeyIndex:
     ) -> int:
         """Record the store keys of ``engine_keys`` (page ``i``'s hash of ``token_ids``,
         chained after the page hashed ``prior``, None: none; unknown: nothing); how many."""
-        parent = None if prior is None else self._last_hash(prior)
-        if prior is not None and parent is None:
-            return 0
+        parent, first = None, 0
+        if prior is not None:
+            entry = self._entry(prior)
+            if entry is None:
+                return 0
+            parent, first = entry[0][-1], entry[1] + 1
         per_page = self.page_size // self.scheme.hash_block_tokens
         tokens = token_ids[: len(engine_keys) * self.page_size]
-        hashes = self.scheme.block_hashes(tokens, parent)[per_page - 1 :: per_page]
-        keys = hashes[: len(engine_keys)]
+        hashes = self.scheme.block_hashes(tokens, parent)
+        pages = [tuple(hashes[at : at + per_page]) for at in range(0, len(hashes), per_page)]
+        pages = pages[: len(engine_keys)]
         with self._lock:
-            for engine_key, key in zip(engine_keys, keys):
-                self._map[engine_key] = key
+            for i, (engine_key, page) in enumerate(zip(engine_keys, pages)):
+                self._map[engine_key] = (page, first + i)
                 self._map.move_to_end(engine_key)
             while len(self._map) > self.capacity:
                 self._map.popitem(last=False)
-        return len(keys)
+        return len(pages)
 
 
 def observed_token_ids(key: Any) -> list[int] | None:

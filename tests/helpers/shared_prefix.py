@@ -62,8 +62,8 @@ def _heads(tp: int, rank: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def _plan(tp: int, rank: int, caches, rows):
-    spec = LayerSpec("full", BLOCK, HEADS // tp, HEAD_SIZE, "bfloat16", "split", "NHD")
+def _plan(tp: int, rank: int, caches, rows, tokens: int = BLOCK):
+    spec = LayerSpec("full", tokens, HEADS // tp, HEAD_SIZE, "bfloat16", "split", "NHD")
     mapping = derive_group_mappings(spec, tp, HEADS)[rank]
     return canonical_ops.make_plan([mapping] * LAYERS, caches, rows)
 
@@ -76,15 +76,27 @@ def open_store(location: str, ns: StoreNamespace, **options):
     return FileStore(location, ns, **options)
 
 
-def engine_store(location: str, truth, tp: int, units: int = UNITS, **options) -> None:
-    """The standalone engine at ``tp`` stores the prompt's first ``units`` units."""
-    ns = namespace(tp=tp)
+def regroup(truth, tokens: int) -> list[torch.Tensor]:
+    """``truth`` (units, 2, BLOCK, heads, head_size) per layer as units of ``tokens``."""
+    out = []
+    for t in truth:
+        flat = t.transpose(0, 1).reshape(2, -1, HEADS, HEAD_SIZE)  # (2, all tokens, ...)
+        out.append(flat.reshape(2, -1, tokens, HEADS, HEAD_SIZE).transpose(0, 1).contiguous())
+    return out
+
+
+def engine_store(
+    location: str, truth, tp: int, units: int = UNITS, tokens: int = BLOCK, **options
+) -> None:
+    """The standalone engine at ``tp`` stores the prompt's first ``units`` units of
+    ``tokens`` tokens (keyed by vLLM's block hashes of BLOCK tokens)."""
+    ns = namespace(tp=tp, tokens=tokens)
     rows = torch.zeros(units, ns.total_bytes, dtype=torch.uint8)
     ids = torch.arange(units)
     for rank in range(tp):
-        caches = [t[:units, :, :, _heads(tp, rank)].contiguous() for t in truth]
-        canonical_ops.store(caches, rows, _plan(tp, rank, caches, rows), ids, ids)
-    keys = SCHEME.unit_keys(PROMPT, BLOCK)[:units]
+        caches = [t[:units, :, :, _heads(tp, rank)].contiguous() for t in regroup(truth, tokens)]
+        canonical_ops.store(caches, rows, _plan(tp, rank, caches, rows, tokens), ids, ids)
+    keys = SCHEME.unit_keys(PROMPT, tokens)[:units]
     with open_store(location, ns, **options) as store:
         for i, key in enumerate(keys):
             assert store.store(key, 0, rows[i].numpy(), i).status == "ok"

@@ -133,3 +133,63 @@ def test_pages_that_are_not_whole_hash_blocks_are_refused(extra):
     ((_, backend),) = group(MODEL, 1, "page_first", {**extra, "hash_block_tokens": 8})
     keys = [backend.core.index.canonical(k) for k in sglang_keys()]
     assert keys == TokenKeyScheme("sha256", 8).unit_keys(sp.PROMPT, sp.BLOCK)
+
+
+# --------------------------------------------------------------------------- granularity
+
+
+def test_pages_read_across_bigger_units_split(extra, caplog):
+    """Units of 32 tokens (another engine's, e.g. vLLM's 2-block offload chunks) under
+    SGLang pages of 16: each page is its half of a verified unit."""
+    sp.engine_store(extra["store"], truth(), tp=1, units=2, tokens=32)
+    ((pool, alone),) = group(MODEL, 1, "page_first", extra)
+    assert alone.batch_exists(sglang_keys()) == 0  # without read_unit_tokens: a miss
+    with caplog.at_level("WARNING"):
+        ranks = group(MODEL, 2, "page_head", {**extra, "read_unit_tokens": [32, 24]})
+    assert len([m for m in caplog.messages if "not reading units of 24 tokens" in m]) == 2
+    keys = sglang_keys()
+    for rank, (pool, backend) in enumerate(ranks):
+        assert backend.batch_exists(keys) == sp.UNITS
+        slots = pool.alloc(len(sp.PROMPT))
+        assert backend.batch_get_v1(keys, slots) == [True] * sp.UNITS
+        check_pages(MODEL, pool, 2, rank, slots)
+    # A later page alone: its unit's last page is not in the call, so nothing to name it by.
+    ((pool, backend),) = group(MODEL, 1, "page_first", {**extra, "read_unit_tokens": [32]})
+    slots = pool.alloc(sp.BLOCK)
+    assert backend.batch_get_v1(keys[2:3], slots) == [False]
+
+
+def test_pages_read_across_smaller_units_joined(extra):
+    """Units of 16 tokens (vLLM's offloaded blocks) under SGLang pages of 32, hash blocks of
+    16 as vLLM's: a page is two verified units joined."""
+    sp.engine_store(extra["store"], truth(), tp=2, units=3)  # the 4th unit missing
+    model32 = Model(name=sp.MODEL_NAME, layers=sp.LAYERS, total_heads=sp.HEADS,
+                    head_dim=sp.HEAD_SIZE, page_size=32, dtype=sp.DTYPE)  # fmt: skip
+    options = {**extra, "hash_block_tokens": sp.BLOCK, "read_unit_tokens": [sp.BLOCK]}
+    ranks = group(model32, 2, "layer_first", options)
+    keys = get_storage_hash_str(sp.PROMPT, None, page_size=32)
+    for rank, (pool, backend) in enumerate(ranks):
+        assert backend.batch_exists(keys) == 1  # page 1 lacks its second unit
+        slots = pool.alloc(len(sp.PROMPT))
+        assert backend.batch_get_v1(keys, slots) == [True, False]
+        heads = model32.global_heads(2, rank)
+        for layer, rows in enumerate(pool_rows(pool, slots[:32])):
+            want = MODEL.truth(layer, len(sp.PROMPT))[:, :32, heads]
+            assert torch.equal(rows.view(torch.int16), want.view(torch.int16)), (rank, layer)
+
+
+def test_a_corrupt_unit_read_across_is_a_miss(extra, store_dir):
+    sp.engine_store(extra["store"], truth(), tp=1, units=2, tokens=32)
+    key = TokenKeyScheme("sha256", sp.BLOCK).unit_keys(sp.PROMPT, 32)[1]
+    (path,) = [
+        p for p in unit_files(store_dir) if p.parent.name == hashlib.sha256(key).hexdigest()[:32]
+    ]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    ((pool, backend),) = group(MODEL, 1, "page_first", {**extra, "read_unit_tokens": [32]})
+    slots = pool.alloc(len(sp.PROMPT))
+    before = pool_rows(pool, slots[2 * sp.BLOCK :])
+    assert backend.batch_get_v1(sglang_keys(), slots) == [True, True, False, False]
+    after = pool_rows(pool, slots[2 * sp.BLOCK :])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing written
