@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,7 +183,7 @@ def test_the_checks_find_what_they_forbid(tmp_path, monkeypatch) -> None:
     (tmp_path / "layouts" / "__init__.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import canonical_ops\n"
     )
-    monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
     edges = {(i, t) for i, t, _, _ in imports(modules())}
     assert ("canonical_ops.ops", "canonical_ops.units.a") in edges
     assert ("canonical_ops.units.a", "canonical_ops.ops") in edges
