@@ -2,7 +2,11 @@
 
 The engine's thread submits (never blocking: a full queue gives a finished ``"refused"``
 job) and polls; worker threads do the I/O, a work function's exception becoming the job's
-``error``. Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
+``error``. Loads never wait behind stores: reads (``load``, ``loads``, ``lookup`` jobs) and
+writes (every other kind) have a queue each; read-priority threads take reads first and a
+write only while another read-priority thread stays free, write-priority threads take
+writes first (vLLM's ``DualQueueThreadPool``, which splits jobs into one task per block;
+here a job is a batch, so a free reader is kept instead). Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
 ``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
 abandoned and replaced). A work function calls ``current_job().claim()`` right before it
 writes caller memory or publishes, and does bounded work until ``release()``: an expired
@@ -11,11 +15,10 @@ job never writes (claim and expiry swap one native state word, also used by ``_u
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ from ..checks import check_int, check_seconds
 __all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "current_job", "run_inline"]
 
 FINISHED = frozenset({"ok", "miss", "corrupt", "error", "refused", "cancelled", "expired"})
+READ_KINDS = frozenset({"load", "loads", "lookup"})  # the read queue's; the rest: writes
 _OUTCOMES = frozenset({"ok", "miss", "corrupt", "error"})
 _local = threading.local()
 
@@ -153,9 +157,13 @@ def _execute(job: IOJob) -> None:
 
 
 class JobPool:
-    """``threads`` workers (>= 1) fed by a queue of ``queue_depth`` jobs (>= 1; beyond it
-    submissions are refused), named ``name``-N; ``deadline_s``: seconds a job may run from
-    its start before it finishes ``"expired"`` (None: no deadline)."""
+    """``threads`` workers (>= 1) fed by at most ``queue_depth`` queued jobs (>= 1; beyond
+    it submissions are refused), named ``name``-N; ``deadline_s``: seconds a job may run
+    from its start before it finishes ``"expired"`` (None: no deadline). The first
+    ``(threads + 1) // 2`` workers are read-priority, the others write-priority (see the
+    module): with 3 threads or more, a read submitted while stores fill the pool starts at
+    once on a free reader, or else after a read, never after a store (1 or 2 threads: the
+    one reader also takes writes when no read is queued, as vLLM's)."""
 
     def __init__(
         self,
@@ -169,25 +177,30 @@ class JobPool:
         self.queue_depth = check_int("queue_depth", queue_depth, minimum=1)
         self.deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
         self.name = name
-        self._queue: queue.Queue[IOJob | None] = queue.Queue(maxsize=self.queue_depth)
+        self.read_threads = (self.threads + 1) // 2
+        self._reads: deque[IOJob] = deque()
+        self._writes: deque[IOJob] = deque()
         self._lock = threading.Condition()
         self._finished: dict[int, IOJob] = {}  # not yet collected, in job id order
         self._running: dict[threading.Thread, IOJob] = {}
+        self._readers: set[threading.Thread] = set()  # the read-priority workers
         self._ids, self._spawned, self._closed = itertools.count(), itertools.count(), False
         self._counts = dict.fromkeys(
             ("submitted", "refused", "finished", "errors", "cancelled", "expired"), 0
         )
         self._workers: list[threading.Thread] = []
         with self._lock:
-            for _ in range(self.threads):
-                self._spawn_locked()
+            for i in range(self.threads):
+                self._spawn_locked(reader=i < self.read_threads)
         if self.deadline_s is not None:
             threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
-    def _spawn_locked(self) -> None:
+    def _spawn_locked(self, reader: bool) -> None:
         name = f"{self.name}-{next(self._spawned)}"
-        worker = threading.Thread(target=self._run, name=name, daemon=True)
+        worker = threading.Thread(target=self._run, args=(reader,), name=name, daemon=True)
         self._workers.append(worker)
+        if reader:
+            self._readers.add(worker)
         worker.start()
 
     # ------------------------------------------------------------------ submission
@@ -206,12 +219,10 @@ class JobPool:
     def submit_job(self, job: IOJob) -> IOJob:
         """Queue a job made by :meth:`make_job` (see :meth:`submit`)."""
         with self._lock:
-            accepted = not self._closed
+            accepted = not self._closed and self._queued() < self.queue_depth
             if accepted:
-                try:
-                    self._queue.put_nowait(job)
-                except queue.Full:
-                    accepted = False
+                (self._reads if job.kind in READ_KINDS else self._writes).append(job)
+                self._lock.notify_all()  # a worker of the right priority takes it
             self._counts["submitted" if accepted else "refused"] += 1
         if not accepted:
             job._collected = True
@@ -244,7 +255,7 @@ class JobPool:
     def stats(self) -> PoolStats:
         """Counters, consistent with each other."""
         with self._lock:
-            return PoolStats(**self._counts, queued=self._queue.qsize(), running=len(self._running))
+            return PoolStats(**self._counts, queued=self._queued(), running=len(self._running))
 
     # ------------------------------------------------------------------ workers
 
@@ -254,21 +265,43 @@ class JobPool:
         if not job._collected:
             self._finished[job.job_id] = job
 
-    def _run(self) -> None:
+    def _queued(self) -> int:
+        return len(self._reads) + len(self._writes)
+
+    def _take_locked(self, reader: bool) -> IOJob | None:
+        """The next job for a worker of this priority, or None (nothing it may take now)."""
+        first, then = (self._reads, self._writes) if reader else (self._writes, self._reads)
+        if first:
+            return first.popleft()
+        if not then:
+            return None
+        if reader and len(self._readers) > 1:  # a write: only while another reader stays free
+            busy = sum(1 for thread in self._running if thread in self._readers)
+            if len(self._readers) - busy < 2:
+                return None
+        return then.popleft()
+
+    def _run(self, reader: bool) -> None:
         me = threading.current_thread()
-        while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.put_nowait(None)  # sticky: it stops every worker, replacements too
-                return
-            with self._lock:  # the watchdog wakes at least once a deadline: no notify
-                self._running[me] = job
-            _execute(job)
-            with self._lock:
+        with self._lock:
+            while True:
+                job = self._take_locked(reader)
+                if job is None:
+                    if self._closed and not self._queued():
+                        return
+                    self._lock.wait()
+                    continue
+                self._running[me] = job  # the watchdog wakes at least once a deadline
+                self._lock.release()
+                try:
+                    _execute(job)
+                finally:
+                    self._lock.acquire()
                 if self._running.get(me) is not job:
                     return  # abandoned after its deadline: a replacement took this place
                 del self._running[me]
                 self._collect_locked(job)
+                self._lock.notify_all()  # a reader is free again: writes may go to others
 
     def _watch(self) -> None:
         """Expire jobs running past the deadline; replace their threads."""
@@ -292,9 +325,11 @@ class JobPool:
                         job._finish("expired", f"ran past the pool's deadline of {deadline_s} s")
                     del self._running[thread]
                     self._workers.remove(thread)
+                    reader = thread in self._readers
+                    self._readers.discard(thread)
                     self._counts["expired"] += 1
                     self._collect_locked(job)
-                    self._spawn_locked()
+                    self._spawn_locked(reader)
                 self._lock.wait(max(0.0, wake - now))
 
     def _workers_alive(self) -> bool:
@@ -310,19 +345,13 @@ class JobPool:
             if self._closed and not self._workers_alive():
                 return
             self._closed = True
-        while cancel:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                with self._lock:
-                    job._finish("cancelled", "cancelled by close()")
-                    self._counts["cancelled"] += 1
-                    self._finished[job.job_id] = job
+            while cancel and self._queued():
+                job = (self._reads or self._writes).popleft()
+                job._finish("cancelled", "cancelled by close()")
+                self._counts["cancelled"] += 1
+                self._finished[job.job_id] = job
+            self._lock.notify_all()  # idle workers stop once the queues are empty
         end = None if timeout is None else time.monotonic() + timeout
-        with contextlib.suppress(queue.Full):  # blocks only while the workers drain the queue
-            self._queue.put(None, timeout=timeout)
         while end is None or time.monotonic() < end:
             with self._lock:  # abandoned threads are no longer listed: never joined
                 alive = [w for w in self._workers if w.is_alive()]

@@ -1,0 +1,81 @@
+"""Loads never wait behind stores (issue 30 item 3): the JobPool's read and write queues, its
+read-priority and write-priority threads, and a FileStore whose stores are stuck in I/O."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers.store import row, small_namespace
+
+from canonical_ops.units import FileStore, JobPool
+from canonical_ops.units import files as files_mod
+
+NS = small_namespace(8)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("threads", [3, 4, 32])
+def test_a_load_starts_while_stores_fill_every_thread_they_may_have(threads) -> None:
+    """Stores stuck in I/O on every thread they may take, more queued: a load submitted
+    now runs to completion before any store moves (no timing: the stores never move)."""
+    gate = threading.Event()
+    stuck = lambda: gate.wait() and None  # noqa: E731
+    with JobPool(threads=threads, queue_depth=4 * threads) as pool:
+        try:
+            stores = [pool.submit("stores", stuck) for _ in range(2 * threads)]
+            wait_until(lambda: pool.stats().running == threads - 1)
+            load = pool.wait(pool.submit("loads", lambda: None), timeout=10)
+            lookup = pool.wait(pool.submit("lookup", lambda: None), timeout=10)
+            assert load.ok and lookup.ok and not any(job.done for job in stores)
+            assert pool.stats().running == threads - 1  # one reader kept free, still
+        finally:
+            gate.set()
+        assert all(pool.wait(job, timeout=10).ok for job in stores)
+
+
+def test_queued_reads_go_first_and_writes_are_not_starved() -> None:
+    """One thread (a reader): queued loads run before queued stores; then the stores run."""
+    gate, order = threading.Event(), []
+    with JobPool(threads=1, queue_depth=16) as pool:
+        first = pool.submit("store", lambda: gate.wait() and None)
+        wait_until(lambda: first.status == "running")
+        for name in ("w1", "r1", "w2", "r2"):
+            kind = "load" if name[0] == "r" else "store"
+            pool.submit(kind, lambda name=name: order.append(name))
+        gate.set()
+        wait_until(lambda: len(order) == 4)
+    assert order == ["r1", "r2", "w1", "w2"]
+
+
+def test_a_file_store_load_is_not_queued_behind_its_stores(tmp_path, monkeypatch) -> None:
+    """FileStore knows loads from stores by itself (submit_loads vs submit_stores): stores
+    stuck writing on every thread they may take, a load of a stored unit still finishes."""
+    gate, stuck = threading.Event(), []
+
+    def hook(stage: str, path: str, n: int) -> None:
+        if stage == "write" and threading.current_thread().name.startswith("ckv-files"):
+            stuck.append(path)
+            gate.wait()
+
+    with FileStore(tmp_path, NS, fsync=False, threads=4) as store:
+        assert store.store(1, 0, row(NS, 1), 0).ok  # inline: before the hook
+        monkeypatch.setattr(files_mod, "_test_hook", hook)
+        try:
+            stores = [store.submit_stores([(10 + i, 0, row(NS, 10 + i), 0)]) for i in range(6)]
+            wait_until(lambda: len(stuck) == 3)  # 2 writers + 1 of the 2 readers
+            dest = np.zeros(NS.total_bytes, np.uint8)
+            load = store.pool.wait(store.submit_loads([(1, 0, 8, dest)]), timeout=10)
+            assert load.ok and np.array_equal(dest, row(NS, 1))
+            assert not any(job.done for job in stores)
+        finally:
+            gate.set()
+        assert all(store.pool.wait(job, timeout=10).ok for job in stores)
