@@ -110,10 +110,12 @@ class VllmEngine:
     """A vLLM engine: the scheduler connector (tiering manager, tiers) and TP worker
     connectors running our worker over the same shared region, KV = ``sp``'s prompt."""
 
-    def __init__(self, engines, models, tier: dict, tp: int, seed: int = 5) -> None:
+    def __init__(
+        self, engines, models, tier: dict, tp: int, seed: int = 5, layers=SPLIT, extra=None
+    ) -> None:
         self.sched: SchedulerEngine = engines(
-            models["llama8"], [tier], tp=tp, layers=SPLIT, seed=seed,
-            spec="CanonicalOffloadingSpec",
+            models["llama8"], [tier], tp=tp, layers=layers, seed=seed,
+            spec="CanonicalOffloadingSpec", extra=extra,
         )  # fmt: skip
         self.tier = self.sched.tiers[0]
         kcc = self.sched.model.kv_cache_config(tp)
@@ -145,16 +147,17 @@ class VllmEngine:
             worker.wait({self._jobs})
             assert all(r.success for r in worker.get_finished())
 
-    def store(self, keys: list[bytes]) -> None:
-        """A request's first ``len(keys)`` blocks: GPU -> primary rows (workers) -> tiers."""
+    def store(self, keys: list[bytes], bpc: int = 1) -> None:
+        """A request's first ``len(keys)`` chunks of ``bpc`` blocks: GPU -> primary rows
+        (workers) -> tiers."""
         manager = self.sched.manager
         with manager.lock:
             ctx = ReqContext(req_id=f"req-{uuid.uuid4().hex[:6]}")
             manager.on_new_request(ctx)
             for i, key in enumerate(keys):
-                ctx.set_offload_key_position(key, sp.BLOCK * (i + 1))
+                ctx.set_offload_key_position(key, sp.BLOCK * bpc * (i + 1))
             out = manager.prepare_store(keys, ctx)
-            self._run(True, out.store_spec.chunk_ids, range(len(keys)))
+            self._run(True, out.store_spec.chunk_ids, range(len(keys) * bpc))
             manager.complete_store(out.keys_to_store, ctx)
             manager.on_request_finished(ctx)
         self.sched.settle()
@@ -379,3 +382,40 @@ def test_the_worker_refuses_a_geometry_that_is_not_its_kv(
                 )
     finally:
         vllm.shutdown()
+
+
+def test_chunks_of_two_blocks_share_token_major_pages_only(
+    plugin_registered, models, engines, vllm_hash_state, tmp_path, caplog
+):
+    """blocks_per_chunk=2: a packed-NHD row holds each layer's page of 32 tokens (two pages of
+    16 concatenate), so it is the shared unit of 32 tokens; split pages are not (one line)."""
+    packed = [Layer(f"model.layers.{i}.self_attn.attn", "packed_nhd") for i in range(sp.LAYERS)]
+    location = str(tmp_path / "store")
+    tier = shared_tier(location, shared_prefix={**SHARED, "packing": "packed"})
+    vllm_block_hashes(sp.PROMPT, sp.BLOCK)
+    vllm = VllmEngine(engines, models, tier, tp=2, layers=packed, extra={"block_size": 32})
+    try:
+        assert vllm.tier.namespace.unit_tokens == 32
+        hashes = [bytes.fromhex(h) for h in sp.BLOCK_HASHES_HEX]
+        vllm.store([make_offload_key(h, 0) for h in hashes[1::2]], bpc=2)
+        ns, keys = vllm.tier.namespace, sp.SCHEME.unit_keys(sp.PROMPT, 32)
+        with sp.open_store(location, ns) as store:
+            for j, key in enumerate(keys):
+                unit = np.zeros(ns.total_bytes, np.uint8)
+                assert store.load(key, 0, sp.LAYERS, unit).status == "ok"
+                pages = [  # (blocks, heads, tokens, 2, dim) -> packed NHD (tokens, heads, 2*dim)
+                    vllm.sched.model.truth[layer.name][2 * j : 2 * j + 2]
+                    .permute(0, 2, 1, 3, 4).reshape(-1).view(torch.uint8)
+                    for layer in packed
+                ]  # fmt: skip
+                assert np.array_equal(unit, torch.cat(pages).numpy()), j
+    finally:
+        vllm.shutdown()
+    with caplog.at_level(logging.WARNING):
+        split = engines(
+            models["llama8"], [shared_tier(tmp_path / "split")], tp=2, layers=SPLIT,
+            spec="CanonicalOffloadingSpec", extra={"block_size": 32},
+        ).tiers[0]  # fmt: skip
+    assert split.namespace.key_scheme == ""
+    lines = [m for m in caplog.messages if "not sharing KV" in m]
+    assert len(lines) == 1 and "blocks_per_chunk=2" in lines[0]
