@@ -95,36 +95,46 @@ def _order(config: Any) -> str:
     return "HND" if layout in ("LBHNC", "HND") or layout.endswith("hnd") else "NHD"
 
 
+def _refusal(shared: SharedPrefix, config: Any) -> str | None:
+    """Why an engine of ``config`` (vLLM's ``OffloadingConfig``) cannot share, or None."""
+    parallel, cache = config.parallel, config.cache
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    if len(config.groups) != 1:
+        return f"{len(config.groups)} KV-cache groups (hybrid models are keyed per group)"
+    if not parallel.is_parallelism_agnostic or parallel.pp_size > 1:
+        return "the topology is not parallelism agnostic (PP, CP or opaque layers)"
+    if parallel.dcp_size > 1 or parallel.pcp_size > 1:
+        return "context parallelism shards the tokens of a block"
+    try:
+        dtype = dtype_name(dtype)
+    except ValueError:
+        return f"KV dtype {dtype!r} is not one the canonical format stores"
+    if dtype not in _FLOAT_DTYPES:
+        return f"KV dtype {dtype} (quantised KV is not shared yet)"
+    group, bpc = config.groups[0], cache.blocks_per_chunk
+    page = shared.layer_spec(group.tokens_per_block, _order(config), dtype)
+    if bpc > 1 and not (page.packing == "packed" and page.order == "NHD"):
+        return (
+            f"blocks_per_chunk={bpc} with {page.packing} {page.order} pages: a chunk row holds "
+            f"{bpc} pages per layer, not one page of {bpc * page.block_size} tokens (set the "
+            "offloaded block size to the GPU block size)"
+        )
+    return None
+
+
 def shared_namespace(
     shared: SharedPrefix, spec: Any, row_bytes: int, model_name: str
 ) -> tuple[StoreNamespace | None, str]:
     """The shared namespace of ``spec``'s rows (a ``CanonicalOffloadingSpec``: the caller
     checks, as only its worker proves the geometry), or None and the one-line reason why this
     engine cannot share."""
-    config = spec.config
-    parallel, cache = config.parallel, config.cache
-    dtype = str(config.model.dtype).removeprefix("torch.")
-    if len(config.groups) != 1:
-        return None, f"{len(config.groups)} KV-cache groups (hybrid models are keyed per group)"
-    if not parallel.is_parallelism_agnostic or parallel.pp_size > 1:
-        return None, "the topology is not parallelism agnostic (PP, CP or opaque layers)"
-    if parallel.dcp_size > 1 or parallel.pcp_size > 1:
-        return None, "context parallelism shards the tokens of a block"
-    try:
-        dtype = dtype_name(dtype)
-    except ValueError:
-        return None, f"KV dtype {dtype!r} is not one the canonical format stores"
-    if dtype not in _FLOAT_DTYPES:
-        return None, f"KV dtype {dtype} (quantised KV is not shared yet)"
-    group, bpc = config.groups[0], cache.blocks_per_chunk
-    tokens = group.tokens_per_block * bpc
-    page = shared.layer_spec(group.tokens_per_block, _order(config), dtype)
-    if bpc > 1 and not (page.packing == "packed" and page.order == "NHD"):
-        return None, (
-            f"blocks_per_chunk={bpc} with {page.packing} {page.order} pages: a chunk row holds "
-            f"{bpc} pages per layer, not one page of {tokens} tokens (set the offloaded block "
-            "size to the GPU block size)"
-        )
+    config, cache = spec.config, spec.config.cache
+    why = _refusal(shared, config)
+    if why is not None:
+        return None, why
+    dtype = dtype_name(str(config.model.dtype).removeprefix("torch."))
+    group = config.groups[0]
+    tokens = group.tokens_per_block * cache.blocks_per_chunk
     scheme = TokenKeyScheme(shared.hash_algorithm, cache.tokens_per_hash)
     unit = shared.layer_spec(tokens, _order(config), dtype)
     layers = [unit] * len(group.layer_names)
@@ -146,7 +156,10 @@ def check_worker_rows(shared: SharedPrefix, kv_caches: Any, config: Any, worker:
     """Refuse to start (RuntimeError) unless this rank's rows begin with every layer's canonical
     page of the stated geometry: one ref per KV tensor, in layer order, each mapping exactly
     the one ``layouts`` derives (so the bytes are those every engine writes). ``worker``: the
-    rank's ``CanonicalOffloadingWorker`` (its cells and their offsets in a row)."""
+    rank's ``CanonicalOffloadingWorker`` (its cells and their offsets in a row). An engine that
+    does not share at all (:func:`_refusal`: the tier says why) is not checked."""
+    if _refusal(shared, config) is not None:
+        return
     cell_sizes, offsets = worker.cell_sizes, worker.cell_offsets
     parallel = config.parallel
     refs = list(kv_caches.group_data_refs[0]) if kv_caches.group_data_refs else []
@@ -154,7 +167,8 @@ def check_worker_rows(shared: SharedPrefix, kv_caches: Any, config: Any, worker:
     dtype = dtype_name(str(config.model.dtype).removeprefix("torch."))
     spec = shared.layer_spec(group.tokens_per_block, _order(config), dtype)
     where = f"{_OPTION} ({shared}) does not describe this engine's KV cache"
-    if [ref.tensor_idx for ref in refs] != list(range(len(kv_caches.tensors))):
+    tensors = list(range(len(kv_caches.tensors)))
+    if [ref.tensor_idx for ref in refs] != tensors or len(refs) != len(group.layer_names):
         raise RuntimeError(f"{where}: expected one KV tensor per layer, in layer order")
     tp, rank = parallel.tp_size, parallel.rank % parallel.tp_size
     heads = 1 if spec.attention == "mla" else max(1, spec.num_kv_heads // tp)

@@ -11,6 +11,7 @@ and namespace are pinned there for tests/sglang_plugin/test_shared_prefix.py (SG
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -380,6 +381,12 @@ def test_the_worker_refuses_a_geometry_that_is_not_its_kv(
                 check_worker_rows(
                     SharedPrefix.from_option({**SHARED, **wrong}), ckv, config, worker
                 )
+        # An engine the tier keeps alone (here: PP) is not checked: it starts, working alone.
+        alone = dataclasses.replace(
+            config,
+            parallel=dataclasses.replace(config.parallel, pp_size=2, is_parallelism_agnostic=False),
+        )
+        check_worker_rows(SharedPrefix.from_option({**SHARED, "head_size": 64}), ckv, alone, worker)
     finally:
         vllm.shutdown()
 
