@@ -68,6 +68,22 @@ def test_cbor_heads_are_minimal():
         cbor_encode(True)
 
 
+def test_cbor_hashes_of_many_tokens_are_the_one_by_one_encoding():
+    # block_hashes encodes every token at once for sha256_cbor: the bytes must be cbor_encode's.
+    rng = np.random.default_rng(3)
+    edges = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]
+    tokens = edges + rng.integers(0, 2**63 - 1, 54, dtype=np.int64).tolist()
+    scheme = TokenKeyScheme("sha256_cbor", 8, DEFAULT_SEED)
+    parent, expected = scheme.none_hash, []
+    for at in range(0, 64, 8):
+        parent = _sha(cbor_encode((parent, tuple(tokens[at : at + 8]), None)))
+        expected.append(parent)
+    assert scheme.block_hashes(tokens) == expected
+    negative = (-5, *tokens[1:8])  # not a token id vLLM makes: the one-by-one path
+    assert scheme.block_hashes(negative) == [_sha(cbor_encode((scheme.none_hash, negative, None)))]
+    assert scheme.block_hashes(tokens[8:], parent=expected[0]) == expected[1:]
+
+
 @pytest.mark.parametrize("vector", TEST_VECTORS_V2, ids=lambda v: f"{v[0]}-{v[1]}")
 def test_every_pinned_vector(vector):
     algorithm, block, seed, tokens, expected = vector

@@ -164,6 +164,28 @@ def _cbor_head(major: int, value: int) -> bytes:
     raise ValueError(f"value: expected an integer below 2**64 for CBOR, got {value}")
 
 
+def _cbor_uint_items(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Canonical CBOR of each non-negative int64 of ``values``, concatenated, and where each
+    ends: :func:`cbor_encode` of them one by one, in one vectorised pass."""
+    v = values.astype(np.uint64)
+    widths = np.select([v < 24, v < 1 << 8, v < 1 << 16, v < 1 << 32], [0, 1, 2, 4], 8)
+    ends = np.cumsum(widths + 1)
+    out = np.zeros(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
+    starts = ends - widths - 1
+    firsts = {0: 0, 1: 24, 2: 25, 4: 26, 8: 27}
+    for width, extra in firsts.items():
+        at = np.nonzero(widths == width)[0]
+        if not len(at):
+            continue
+        if width == 0:
+            out[starts[at]] = v[at].astype(np.uint8)
+            continue
+        out[starts[at]] = extra
+        big = v[at].astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - width :]
+        out[(starts[at] + 1)[:, None] + np.arange(width)] = big
+    return out.tobytes(), ends
+
+
 def cbor_encode(value: Any) -> bytes:
     """Canonical CBOR (RFC 8949 core deterministic encoding) of None, int, bytes, str and
     tuples / lists of them: what ``sha256_cbor`` hashes."""
@@ -258,9 +280,22 @@ class TokenKeyScheme:
             parent = self._none_hash
         elif not isinstance(parent, (bytes, bytearray)) or not parent:
             raise ValueError(f"parent: expected a block hash (bytes) or None, got {parent!r:.80}")
-        ids = _token_array(token_ids).tolist()  # Python ints: what vLLM hashes
+        tokens = _token_array(token_ids)
         step, out, parent = self.hash_block_tokens, [], bytes(parent)
-        for at in range(0, len(ids) - step + 1, step):
+        blocks = len(tokens) // step
+        fast = blocks and 24 <= len(parent) < 256 and int(tokens.min()) >= 0
+        if self.algorithm == "sha256_cbor" and fast:
+            # The bytes of cbor_encode((parent, block, None)), every token encoded at once.
+            data, ends = _cbor_uint_items(tokens[: blocks * step])
+            array = _cbor_head(4, step)
+            for b in range(blocks):
+                lo, hi = ends[b * step - 1] if b else 0, ends[(b + 1) * step - 1]
+                head = b"\x83\x58" + bytes([len(parent)])  # array(3), bytes(len): the parent
+                parent = hashlib.sha256(head + parent + array + data[lo:hi] + b"\xf6").digest()
+                out.append(parent)
+            return out
+        ids = tokens.tolist()  # Python ints: what vLLM hashes
+        for at in range(0, blocks * step, step):
             parent = self._hash((parent, tuple(ids[at : at + step]), None))
             out.append(parent)
         return out
