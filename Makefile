@@ -82,17 +82,59 @@ demo: install
 	@$(MAKE) -s redis-server >/dev/null 2>&1 || true  # installs it where it can (root + apt-get)
 	@set -e; if ! command -v redis-server >/dev/null 2>&1; then \
 	  echo; echo "== Redis part skipped: redis-server is not installed (make redis-server)"; exit 0; fi; \
-	work=$$(mktemp -d "$${TMPDIR:-/tmp}/canonical-kv-redis.XXXXXX"); \
-	redis-server --port 0 --unixsocket "$$work/redis.sock" --save '' --appendonly no \
-	  --dir "$$work" --logfile "$$work/redis.log" & server=$$!; \
-	trap 'kill $$server 2>/dev/null; wait $$server 2>/dev/null; rm -rf "$$work"' EXIT; \
-	for i in $$(seq 100); do [ -S "$$work/redis.sock" ] && break; sleep 0.1; done; \
+	$(start_redis); \
 	echo; echo "== two nodes share through one Redis server (unix://$$work/redis.sock)"; \
 	echo "== node A, a TP=8 engine, persists the prompt to the server and exits:"; \
 	$(VPY) -m canonical_ops demo --store "unix://$$work/redis.sock" --phase write --writer-tp 8 $(DEMO_STORE_ARGS); \
 	echo; echo "== node B, a TP=2 engine with its own directory: region -> files -> Redis:"; \
 	$(VPY) -m canonical_ops demo --store "$$work/node-b" --store "unix://$$work/redis.sock" \
 	  --phase read --reader-tp 2 $(DEMO_STORE_ARGS)
+	@$(MAKE) --no-print-directory demo-engines
+
+# A throwaway redis-server on a unix socket in a fresh $$work directory, stopped and removed
+# when the recipe's shell exits (one shell line: chain what follows with `;`).
+define start_redis
+work=$$(mktemp -d "$${TMPDIR:-/tmp}/canonical-kv-redis.XXXXXX"); \
+	redis-server --port 0 --unixsocket "$$work/redis.sock" --save '' --appendonly no \
+	  --dir "$$work" --logfile "$$work/redis.log" & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server 2>/dev/null; rm -rf "$$work"' EXIT; \
+	for i in $$(seq 100); do [ -S "$$work/redis.sock" ] && break; sleep 0.1; done
+endef
+
+# One prefix, every engine (`make demo` ends with it): each engine its own process in its own
+# venv, one store: vLLM 0.33 (TP=4, canonical_fs / canonical_redis with shared_prefix) computes
+# and stores the first 4 units of a prompt; SGLang 0.5.23 (TP=2, its HiCache backend) loads them
+# bit-exact and stores the next 4; the standalone engine (TP=1) loads all 8 bit-exact; a new vLLM
+# engine at TP=2 loads all 8 back. First through files, then through a throwaway Redis server.
+# One line per engine (each one's log shown when it fails). Builds .venv-vllm and .venv-sglang
+# when missing (several minutes, once). FLEET_ARGS: model flags for every engine (--preset,
+# --layers, --seed, --model-name; default llama3-8b shape with 8 layers).
+FLEET_ARGS ?=
+FLEET = -m canonical_ops.demo.fleet $(FLEET_ARGS)
+.PHONY: demo-engines
+demo-engines: install
+	@log="$${TMPDIR:-/tmp}/canonical-kv-engines-build.log"; \
+	if ! $(MAKE) --no-print-directory -q $(VLLM_STAGE)/.installed $(SGLANG_STAGE)/.installed 2>/dev/null; then \
+	  echo; echo "== building .venv-vllm and .venv-sglang for the engines phase (first time: several minutes; log: $$log)"; \
+	  $(MAKE) --no-print-directory $(VLLM_STAGE)/.installed $(SGLANG_STAGE)/.installed >"$$log" 2>&1 || { \
+	    echo "== one prefix, every engine: NOT RUN: building vLLM's or SGLang's venv failed (see $$log)"; exit 1; }; fi
+	@$(vllm_stage_sources)
+	@$(sglang_stage_sources)
+	@set -e; \
+	if command -v redis-server >/dev/null 2>&1; then $(start_redis); redis="unix://$$work/redis.sock"; \
+	else work=$$(mktemp -d "$${TMPDIR:-/tmp}/canonical-kv-engines.XXXXXX"); redis=; \
+	  trap 'rm -rf "$$work"' EXIT; fi; \
+	fleet() { dir=$$1; py=$$2; name=$$3; shift 3; \
+	  (cd "$$dir" && "$$py" $(FLEET) "$$@" --work-dir "$$work/$$n-$$name" 2>"$$work/$$n-$$name.log") || { \
+	    echo "-- $$name's log (last lines):"; tail -n 25 "$$work/$$n-$$name.log"; exit 1; }; }; \
+	n=0; for store in "$$work/store" $$redis; do n=$$((n + 1)); \
+	  echo; echo "== one prefix, every engine, one store: $$store"; \
+	  fleet $(VLLM_STAGE) $(VLLM_PY) vllm-tp4 vllm --store "$$store" --tp 4 --write 0:4; \
+	  fleet $(SGLANG_STAGE) $(SGLANG_PY) sglang-tp2 sglang --store "$$store" --tp 2 --load 4 --write 4:8; \
+	  fleet . $(abspath $(VPY)) standalone-tp1 standalone --store "$$store" --tp 1 --load 8; \
+	  fleet $(VLLM_STAGE) $(VLLM_PY) vllm-tp2 vllm --store "$$store" --tp 2 --load 8; \
+	done; \
+	[ -n "$$redis" ] || { echo; echo "== one prefix through Redis skipped: redis-server is not installed (make redis-server)"; }
 
 # Transfer benchmark (CUDA when a GPU is present, else CPU): JSON, markdown table, PNG plots;
 # then the file tier vs plain file I/O of the same bytes (BENCH_STORE_ARGS, e.g. --dir /mnt/nvme);

@@ -1,5 +1,6 @@
-"""The demo keys the prompt's blocks with the store's engine-independent token-key chain, so
-units it persists are found by any engine hashing the same tokens (the SGLang backend)."""
+"""The demo keys the prompt's blocks with key scheme v2 (vLLM's block hash of the token ids) in
+the namespace every engine shares, so units it persists are found by vLLM's tiers and the SGLang
+backend keying the same tokens, and the reverse."""
 
 from __future__ import annotations
 
@@ -7,15 +8,33 @@ import numpy as np
 
 from canonical_ops import demo
 from canonical_ops.demo import truth
-from canonical_ops.units.token_keys import block_keys
+from canonical_ops.units.token_keys import TokenKeyScheme
 
 
-def test_demo_block_keys_are_token_keys():
-    cfg = demo.build_config(demo.build_parser().parse_args(["--prompt-tokens", "128"]), "cpu")
+def _config(*flags: str):
+    return demo.build_config(
+        demo.build_parser().parse_args(["--prompt-tokens", "128", *flags]), "cpu"
+    )
+
+
+def test_demo_block_keys_are_key_scheme_v2(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    cfg = _config()
     tokens = np.concatenate(
         [truth.prompt_token_ids(cfg, block) for block in range(cfg.prompt_blocks)]
     )
     keys = truth.block_hashes(cfg)
     assert len(keys) == cfg.prompt_blocks == 128 // cfg.block_size
-    assert keys == block_keys(tokens.tolist(), cfg.block_size)
-    assert keys[0] != block_keys(tokens.tolist(), cfg.block_size, salt=b"tenant")[0]
+    assert keys == TokenKeyScheme("sha256", cfg.block_size).unit_keys(tokens, cfg.block_size)
+    monkeypatch.setenv("PYTHONHASHSEED", "fleet-7")  # vLLM's seed rule: other keys
+    assert truth.block_hashes(cfg)[0] != keys[0]
+
+
+def test_demo_namespace_is_the_shared_one():
+    cfg = _config("--packing", "split")
+    scheme = TokenKeyScheme("sha256", cfg.block_size)
+    for role in ("writer", "reader"):
+        assert cfg.namespace(role).key_scheme == scheme.describe()
+    assert cfg.namespace("writer").hex == cfg.namespace("reader").hex  # TP=4 and TP=2
+    hybrid = _config("--preset", "qwen3-next-like", "--store", "/nonexistent")
+    assert hybrid.namespace("writer").key_scheme == ""  # state units: the demo's own

@@ -133,9 +133,18 @@ class DemoConfig:
     def parallelism_agnostic(self) -> bool:
         return all(m.parallelism_agnostic for r in ("writer", "reader") for m in self.mappings(r))
 
+    @property
+    def key_scheme(self):
+        """Key scheme v2 of the prompt's units (``units.token_keys``): vLLM's sha256 block
+        hash with one hash block per page, the seed vLLM's (``PYTHONHASHSEED`` or its default)."""
+        from ..units.token_keys import TokenKeyScheme
+
+        return TokenKeyScheme("sha256", self.block_size)
+
     def namespace(self, role: str):
-        """The KV StoreNamespace an engine of ``role``'s topology builds from ALL layers
-        (a hybrid model's includes its state layers; ``.state_units()`` keys their units)."""
+        """The KV StoreNamespace an engine of ``role``'s topology builds from ALL layers: the
+        one every engine shares for the model (``shared_prefix``). A hybrid model's includes
+        its state layers (``.state_units()`` keys their units) and is the demo's own."""
         from ..units import StoreNamespace
 
         tp = self.tp(role)
@@ -145,12 +154,15 @@ class DemoConfig:
 
             return hybrid_namespace(self.identity(), specs, self.state_specs(), ctx)
         if self.kv_scales is None:
-            return StoreNamespace.from_specs(self.identity(), specs, ctx)
-        # fp8 with per-tensor scales: a reader of other scales (or dtype) misses, never misreads.
-        k, v = self.kv_scales
-        scales = [KVScales("per-tensor", k_scale=k, v_scale=v)] * self.kv_layers
-        quant = f"{self.dtype} per-tensor"
-        return StoreNamespace.from_specs(self.identity(), specs, ctx, kv_quant=quant, scales=scales)
+            own = StoreNamespace.from_specs(self.identity(), specs, ctx)
+        else:  # fp8, per-tensor scales: a reader of other scales (or dtype) misses, never misreads
+            k, v = self.kv_scales
+            scales = [KVScales("per-tensor", k_scale=k, v_scale=v)] * self.kv_layers
+            quant = f"{self.dtype} per-tensor"
+            own = StoreNamespace.from_specs(
+                self.identity(), specs, ctx, kv_quant=quant, scales=scales
+            )
+        return own.shared_prefix(self.key_scheme)
 
     def topology_problem(self, tp: int) -> str | None:
         """Why the model cannot run at TP=``tp`` with certified canonical pages, or None."""

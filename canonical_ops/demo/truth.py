@@ -11,7 +11,6 @@ import torch
 from layouts.spec import element_size
 
 from ..engine.hybrid import state_shard
-from ..units.token_keys import block_keys
 from .config import DemoConfig
 
 VOCAB = 128256  # token ids of the prompt are drawn from a Llama-3-sized vocabulary
@@ -23,12 +22,16 @@ def prompt_token_ids(cfg: DemoConfig, block: int):
     return rng.integers(0, VOCAB, cfg.block_size, dtype=np.int64)
 
 
+def prompt_tokens(cfg: DemoConfig) -> np.ndarray:
+    """Every token id of the prompt, first block first."""
+    return np.concatenate([prompt_token_ids(cfg, block) for block in range(cfg.prompt_blocks)])
+
+
 def block_hashes(cfg: DemoConfig) -> list[bytes]:
-    """The prompt's block keys: the store's engine-independent chain over the token ids
-    (``token_keys.block_keys``), so any engine keying the same tokens (the SGLang backend)
-    finds what the demo persisted. Model-independent: the namespace keeps models apart."""
-    tokens = np.concatenate([prompt_token_ids(cfg, block) for block in range(cfg.prompt_blocks)])
-    return block_keys(tokens, cfg.block_size)
+    """The prompt's unit keys: key scheme v2 (``cfg.key_scheme``, vLLM's block hash of the
+    token ids), so vLLM, SGLang and any engine keying the same tokens find what the demo
+    persisted, and the reverse. Model-independent: the namespace keeps models apart."""
+    return cfg.key_scheme.unit_keys(prompt_tokens(cfg), cfg.block_size)
 
 
 def _bits_dtype(cfg: DemoConfig):
