@@ -14,16 +14,20 @@ scheduler side cannot share is said in one line and the tier keeps its own names
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from layouts import LayerSpec, RankContext, derive_group_mappings
 from layouts.spec import dtype_name
+from layouts.tokens import join_units, split_unit, token_runs
 
 from ..units import ModelIdentity, StoreNamespace
 from ..units.token_keys import TokenKeyScheme
 
-__all__ = ["SharedPrefix", "check_worker_rows", "shared_namespace", "shared_prefix_options"]
+__all__ = ["SharedPrefix", "check_worker_rows", "chunk_pages", "chunk_to_unit", "shared_namespace"]
+__all__ += ["shared_prefix_options", "unit_to_chunk"]
 
 _OPTION = "shared_prefix"
 _FIELDS = {
@@ -97,7 +101,7 @@ def _order(config: Any) -> str:
 
 def _refusal(shared: SharedPrefix, config: Any) -> str | None:
     """Why an engine of ``config`` (vLLM's ``OffloadingConfig``) cannot share, or None."""
-    parallel, cache = config.parallel, config.cache
+    parallel = config.parallel
     dtype = str(config.model.dtype).removeprefix("torch.")
     if len(config.groups) != 1:
         return f"{len(config.groups)} KV-cache groups (hybrid models are keyed per group)"
@@ -111,15 +115,43 @@ def _refusal(shared: SharedPrefix, config: Any) -> str | None:
         return f"KV dtype {dtype!r} is not one the canonical format stores"
     if dtype not in _FLOAT_DTYPES:
         return f"KV dtype {dtype} (quantised KV is not shared yet)"
-    group, bpc = config.groups[0], cache.blocks_per_chunk
-    page = shared.layer_spec(group.tokens_per_block, _order(config), dtype)
-    if bpc > 1 and not (page.packing == "packed" and page.order == "NHD"):
-        return (
-            f"blocks_per_chunk={bpc} with {page.packing} {page.order} pages: a chunk row holds "
-            f"{bpc} pages per layer, not one page of {bpc * page.block_size} tokens (set the "
-            "offloaded block size to the GPU block size)"
-        )
     return None
+
+
+def chunk_pages(shared: SharedPrefix, config: Any) -> tuple[list[LayerSpec], int] | None:
+    """Each layer's page of one GPU block and the blocks per chunk when a chunk row must be
+    regrouped to be the shared unit (``blocks_per_chunk`` pages of a layer that is not
+    token-major: split or HND), else None (the row's prefix is the unit as it is)."""
+    bpc, group = config.cache.blocks_per_chunk, config.groups[0]
+    dtype = dtype_name(str(config.model.dtype).removeprefix("torch."))
+    page = shared.layer_spec(group.tokens_per_block, _order(config), dtype)
+    if bpc == 1 or token_runs(page)[0] == 1:
+        return None
+    return [page] * len(group.layer_names), bpc
+
+
+def chunk_to_unit(row: Any, pages: list[LayerSpec], bpc: int) -> np.ndarray:
+    """The shared unit of a chunk row whose every layer holds ``bpc`` pages ``pages[l]``
+    (layer-major): each layer's ``bpc`` pages joined into one page of ``bpc`` times the
+    tokens (``layouts.tokens``)."""
+    data, out, at = np.frombuffer(row, np.uint8), [], 0
+    for page in pages:
+        size = page.page_size_bytes
+        out.append(
+            join_units([data[at + j * size : at + (j + 1) * size] for j in range(bpc)], [page])
+        )
+        at += bpc * size
+    return np.concatenate(out)
+
+
+def unit_to_chunk(unit: np.ndarray, pages: list[LayerSpec], bpc: int, row: Any) -> None:
+    """:func:`chunk_to_unit` inverted: write ``unit`` into the chunk ``row`` (writable)."""
+    out, at = np.frombuffer(row, np.uint8), 0
+    for page in pages:
+        whole = replace(page, block_size=page.block_size * bpc)
+        parts = split_unit(unit[at : at + whole.page_size_bytes], [whole], bpc)
+        out[at : at + whole.page_size_bytes] = np.concatenate(parts)
+        at += whole.page_size_bytes
 
 
 def shared_namespace(

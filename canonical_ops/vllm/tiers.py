@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
     canonical_format_id,
 )
@@ -41,9 +42,10 @@ from layouts.cli import escape_text
 
 from ..checks import check_bool, check_int, check_seconds
 from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
-from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore
+from ..units.jobs import current_job
+from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore, batch_outcome
 from ..units.token_keys import TokenKeyScheme, offload_key_of, store_key
-from .shared import SharedPrefix, shared_namespace
+from .shared import SharedPrefix, chunk_pages, chunk_to_unit, shared_namespace, unit_to_chunk
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -188,6 +190,7 @@ class _CanonicalTier(SecondaryTierManager):
         if model_name is not None and not (isinstance(model_name, str) and model_name):
             raise TypeError(f"model_name: expected a non-empty str, got {model_name!r}")
         self._own = row_namespace(offloading_spec, self.block_size_bytes, model_name)
+        self._chunk_pages = None  # (pages, blocks per chunk): rows regrouped as shared units
         self.namespace, self._scheme = self._own, None
         if shared_prefix is not None:
             shared = SharedPrefix.from_option(shared_prefix)
@@ -209,6 +212,7 @@ class _CanonicalTier(SecondaryTierManager):
                 self.namespace = found
                 hash_tokens = offloading_spec.config.cache.tokens_per_hash
                 self._scheme = TokenKeyScheme(shared.hash_algorithm, hash_tokens)
+                self._chunk_pages = chunk_pages(shared, offloading_spec.config)
         self._payload_bytes = (
             self.block_size_bytes if self._scheme is None else self.namespace.total_bytes
         )
@@ -273,6 +277,7 @@ class _CanonicalTier(SecondaryTierManager):
         )
         self.store.close(cancel=True)
         self.namespace, self._scheme, self._payload_bytes = self._own, None, self.block_size_bytes
+        self._chunk_pages = None
         self.store = self._open_store(pool=self._io, **self._store_options)
 
     def _open_store(self, **options: Any) -> UnitStore:  # pragma: no cover - per tier
@@ -356,6 +361,10 @@ class _CanonicalTier(SecondaryTierManager):
         self._check_shared_hash()
         keys = list(job_metadata.keys)
         ctx, layers = job_metadata.req_context, self.namespace.num_layers
+        if self._chunk_pages is not None:
+            job = self._regrouped(False, keys, list(job_metadata.chunk_ids), ctx)
+            self._submit(job, job_metadata, keys, False)
+            return
         items = [
             StoreItem(unit_key(key), 0, self._row(cid), self._position(key, ctx), layers)
             for key, cid in zip(keys, job_metadata.chunk_ids)
@@ -365,11 +374,61 @@ class _CanonicalTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._check_shared_hash()
         keys, layers = list(job_metadata.keys), self.namespace.num_layers
+        if self._chunk_pages is not None:
+            job = self._regrouped(True, keys, list(job_metadata.chunk_ids), None)
+            self._submit(job, job_metadata, keys, True)
+            return
         items = [
             LoadItem(unit_key(key), 0, layers, self._row(cid))
             for key, cid in zip(keys, job_metadata.chunk_ids)
         ]
         self._submit(self.store.submit_loads(items), job_metadata, keys, True)
+
+    def _regrouped(self, is_load: bool, keys: list, chunk_ids: list, ctx: Any) -> IOJob:
+        """ONE job storing or loading chunks whose rows are regrouped (``chunk_pages``) to and
+        from shared units in scratch memory, on the I/O pool: rows are read and written only
+        under the job's claim (never after its deadline), as the stores do."""
+        pages, bpc = self._chunk_pages
+        layers, store, unit_bytes = (
+            self.namespace.num_layers,
+            self.store,
+            self.namespace.total_bytes,
+        )
+
+        def work() -> JobOutcome:
+            job = current_job()
+            if is_load:
+                units = [np.empty(unit_bytes, np.uint8) for _ in chunk_ids]
+                loads = [LoadItem(unit_key(k), 0, layers, u) for k, u in zip(keys, units)]
+                outcomes = store.loads(loads).value
+            elif job.claim():  # never read a row vLLM may have reused after the deadline
+                try:
+                    units = [chunk_to_unit(self._row(cid), pages, bpc) for cid in chunk_ids]
+                finally:
+                    job.release()
+                positions = [self._position(k, ctx) for k in keys]
+                stores = [
+                    StoreItem(unit_key(k), 0, u, p, layers)
+                    for k, u, p in zip(keys, units, positions)
+                ]
+                outcomes = store.stores(stores).value
+            else:
+                return JobOutcome("error", detail="expired before reading the rows")
+            if not isinstance(outcomes, list):
+                return JobOutcome("error", detail="the store failed the batch")
+            if is_load:
+                if not job.claim():  # expired: vLLM may have freed the rows
+                    return JobOutcome("error", detail="expired before writing the rows")
+                try:
+                    for cid, unit, outcome in zip(chunk_ids, units, outcomes):
+                        if outcome.status == "ok":
+                            unit_to_chunk(unit, pages, bpc, self._row(cid))
+                finally:
+                    job.release()
+            return batch_outcome(outcomes)
+
+        kind = "loads" if is_load else "stores"
+        return self._io.submit(kind, work, {"items": len(keys), "regrouped": bpc})
 
     def _result(self, job: IOJob, vllm_job: int, keys: list, is_load: bool) -> JobResult:
         """vLLM's JobResult of a finished job: a load keeps the keys whose unit was verified."""

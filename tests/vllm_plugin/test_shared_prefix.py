@@ -163,9 +163,9 @@ class VllmEngine:
             manager.on_request_finished(ctx)
         self.sched.settle()
 
-    def load(self, keys: list[bytes], into: int = 8) -> int:
+    def load(self, keys: list[bytes], into: int = 8, bpc: int = 1) -> int:
         """Lookups, then the hits' promotion and load into GPU blocks ``into..``: how many
-        leading blocks loaded (each compared by the caller)."""
+        leading chunks of ``bpc`` blocks loaded (each compared by the caller)."""
         results, ctx = self.sched.lookup(keys)
         hits = 0
         while hits < len(keys) and results[hits] is LookupResult.HIT:
@@ -174,7 +174,7 @@ class VllmEngine:
         with manager.lock:
             if hits:
                 spec = manager.prepare_load(keys[:hits], ctx)
-                self._run(False, spec.chunk_ids, range(into, into + hits))
+                self._run(False, spec.chunk_ids, range(into, into + hits * bpc))
                 manager.complete_load(keys[:hits], ctx)
             manager.on_request_finished(ctx)
         return hits
@@ -391,38 +391,53 @@ def test_the_worker_refuses_a_geometry_that_is_not_its_kv(
         vllm.shutdown()
 
 
-def test_chunks_of_two_blocks_share_token_major_pages_only(
-    plugin_registered, models, engines, vllm_hash_state, tmp_path, caplog
+def test_chunks_of_two_blocks_are_units_of_32_tokens_in_every_packing(
+    plugin_registered, models, engines, vllm_hash_state, tmp_path
 ):
-    """blocks_per_chunk=2: a packed-NHD row holds each layer's page of 32 tokens (two pages of
-    16 concatenate), so it is the shared unit of 32 tokens; split pages are not (one line)."""
+    """blocks_per_chunk=2: a row holds two pages of 16 tokens per layer. Packed NHD pages
+    concatenate into the page of 32 tokens; split pages are regrouped (layouts.tokens) on the
+    I/O pool, both ways. Either way the unit is the canonical page of 32 tokens."""
     packed = [Layer(f"model.layers.{i}.self_attn.attn", "packed_nhd") for i in range(sp.LAYERS)]
-    location = str(tmp_path / "store")
-    tier = shared_tier(location, shared_prefix={**SHARED, "packing": "packed"})
+    hashes = [bytes.fromhex(h) for h in sp.BLOCK_HASHES_HEX]
+    chunk_keys = [make_offload_key(h, 0) for h in hashes[1::2]]
+    keys = sp.SCHEME.unit_keys(sp.PROMPT, 32)
     vllm_block_hashes(sp.PROMPT, sp.BLOCK)
-    vllm = VllmEngine(engines, models, tier, tp=2, layers=packed, extra={"block_size": 32})
+    for kind, layers in (("packed", packed), ("split", SPLIT)):
+        location = str(tmp_path / kind)
+        tier = shared_tier(location, shared_prefix={**SHARED, "packing": kind})
+        vllm = VllmEngine(engines, models, tier, tp=2, layers=layers, extra={"block_size": 32})
+        try:
+            assert vllm.tier.namespace.unit_tokens == 32
+            assert (vllm.tier._chunk_pages is None) == (kind == "packed")  # regrouped: split
+            vllm.store(chunk_keys, bpc=2)
+            ns = vllm.tier.namespace
+            truth = vllm.truth() if kind == "split" else None
+            with sp.open_store(location, ns) as store:
+                for j, key in enumerate(keys):
+                    unit = np.zeros(ns.total_bytes, np.uint8)
+                    assert store.load(key, 0, sp.LAYERS, unit).status == "ok"
+                    if kind == "split":
+                        want = sp.canonical_unit(sp.regroup(truth, 32), j)
+                    else:  # (blocks, heads, tokens, 2, dim) -> packed NHD (tokens, heads, 2*dim)
+                        want = torch.cat([
+                            vllm.sched.model.truth[layer.name][2 * j : 2 * j + 2]
+                            .permute(0, 2, 1, 3, 4).reshape(-1).view(torch.uint8)
+                            for layer in packed
+                        ]).numpy()  # fmt: skip
+                    assert np.array_equal(unit, want), (kind, j)
+        finally:
+            vllm.shutdown()
+    # The standalone engine's 32-token split units, loaded by a fresh vLLM at TP=4 (chunks of
+    # 2 blocks): the rows are regrouped back into two pages of 16 per layer.
+    location = str(tmp_path / "engine")
+    reader = VllmEngine(engines, models, shared_tier(location), tp=4, extra={"block_size": 32})
     try:
-        assert vllm.tier.namespace.unit_tokens == 32
-        hashes = [bytes.fromhex(h) for h in sp.BLOCK_HASHES_HEX]
-        vllm.store([make_offload_key(h, 0) for h in hashes[1::2]], bpc=2)
-        ns, keys = vllm.tier.namespace, sp.SCHEME.unit_keys(sp.PROMPT, 32)
-        with sp.open_store(location, ns) as store:
-            for j, key in enumerate(keys):
-                unit = np.zeros(ns.total_bytes, np.uint8)
-                assert store.load(key, 0, sp.LAYERS, unit).status == "ok"
-                pages = [  # (blocks, heads, tokens, 2, dim) -> packed NHD (tokens, heads, 2*dim)
-                    vllm.sched.model.truth[layer.name][2 * j : 2 * j + 2]
-                    .permute(0, 2, 1, 3, 4).reshape(-1).view(torch.uint8)
-                    for layer in packed
-                ]  # fmt: skip
-                assert np.array_equal(unit, torch.cat(pages).numpy()), j
+        assert reader.tier.namespace.hex == sp.namespace(tokens=32).hex
+        sp.engine_store(location, reader.truth(), tp=1, tokens=32, units=2)
+        for kv in reader.kv:
+            for tensor in kv.values():
+                tensor[8:].zero_()
+        assert reader.load(chunk_keys, bpc=2) == 2
+        reader.check_loaded(4)
     finally:
-        vllm.shutdown()
-    with caplog.at_level(logging.WARNING):
-        split = engines(
-            models["llama8"], [shared_tier(tmp_path / "split")], tp=2, layers=SPLIT,
-            spec="CanonicalOffloadingSpec", extra={"block_size": 32},
-        ).tiers[0]  # fmt: skip
-    assert split.namespace.key_scheme == ""
-    lines = [m for m in caplog.messages if "not sharing KV" in m]
-    assert len(lines) == 1 and "blocks_per_chunk=2" in lines[0]
+        reader.shutdown()
