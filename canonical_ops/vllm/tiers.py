@@ -389,6 +389,7 @@ class _CanonicalTier(SecondaryTierManager):
         from shared units in scratch memory, on the I/O pool: rows are read and written only
         under the job's claim (never after its deadline), as the stores do."""
         pages, bpc = self._chunk_pages
+        positions = [0] * len(keys) if is_load else [self._position(k, ctx) for k in keys]
         layers, store, unit_bytes = (
             self.namespace.num_layers,
             self.store,
@@ -406,7 +407,6 @@ class _CanonicalTier(SecondaryTierManager):
                     units = [chunk_to_unit(self._row(cid), pages, bpc) for cid in chunk_ids]
                 finally:
                     job.release()
-                positions = [self._position(k, ctx) for k in keys]
                 stores = [
                     StoreItem(unit_key(k), 0, u, p, layers)
                     for k, u, p in zip(keys, units, positions)
