@@ -12,6 +12,7 @@ topologies; the same topology keeps reading its opaque pages.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import uuid
@@ -436,3 +437,167 @@ def test_stage_cache_fills_opaque_units_only_at_their_topology(tmp_path: Any) ->
             assert torch.equal(got[2:4], shard(whole[:2], 4, rank))
     cache.close()
     files.close()
+
+
+# --------------------------------------------------------------------------- review of issue 32
+
+
+def test_a_certified_reader_of_the_same_tp_is_refused_pages_stored_opaque(regions: Any) -> None:
+    """The same TP=4 on both sides, but the writers do not recognise layer 1's layout (spec
+    None: opaque, their four rank pages side by side) and the reader certifies it: before, the
+    reader was admitted (same topology) and read TP=4's rank pages as one canonical page."""
+    truths = truth()
+    unknown = lambda tp: [spec(tp), None]  # noqa: E731
+    certified = lambda tp: [spec(tp), spec(tp)]  # noqa: E731
+    region = regions(1 + 4 + 1, row_bytes(certified(4), 4))
+    store_at(region, truths, unknown, 4, [0, 1])
+    kv = caches(truths, 4, 0, empty=True)
+    with pytest.raises(RegionTopologyError) as refused:
+        OffloadWorker(kv, certified(4), RankContext(4, HEADS, 0), region.attach())
+    message = str(refused.value)
+    assert "layer 1 (bytes [" in message and "stored opaque by workers at tp=4" in message
+    assert "this worker of the same topology takes them as canonical pages" in message
+    assert all(not tensor.any() for tensor in kv)
+
+
+def test_opaque_writers_of_the_same_tp_are_refused_rows_read_as_canonical(regions: Any) -> None:
+    """The other order: a TP=4 worker that certifies layer 1 claimed first; a TP=4 worker
+    storing layer 1 opaque there would hand it rank pages as a canonical page."""
+    truths = truth()
+    region = regions(1 + 2, row_bytes(model(4, False), 4))
+    OffloadWorker(caches(truths, 4, 0, empty=True), [spec(4), spec(4)], RankContext(4, HEADS, 0),
+                  region.attach())  # fmt: skip
+    with pytest.raises(RegionTopologyError, match=r"layer 1 is stored opaque at tp=4.*workers at "
+                       r"tp=4, dcp=1, pcp=1, interleave=1 already use bytes"):  # fmt: skip
+        OffloadWorker(caches(truths, 4, 1, empty=False), [spec(4), None], RankContext(4, HEADS, 1),
+                      region.attach())  # fmt: skip
+
+
+def _stage_cache(region: Any, tp: int, specs_of=model) -> StageCache:
+    ns = StoreNamespace.from_specs(MODEL, specs_of(tp), RankContext(tp, HEADS, 0))
+    return StageCache(PageManager(ROWS), region, (0, 2), ns)
+
+
+def test_a_stage_cache_of_another_topology_cannot_fill_a_region_with_opaque_units(
+    regions: Any,
+) -> None:
+    """A StageCache fills the region from tiers with units of its namespace: one built at
+    TP=2 would put TP=2's opaque layer 1 under TP=4 workers (same row size). Refused either
+    order; the workers' own topology is admitted."""
+    truths = truth()
+    region = regions(1 + 4, row_bytes(model(4), 4))
+    assert _stage_cache(region.rank0, 4).rows is not None  # TP=4 units: TP=4 workers' own
+    store_at(region, truths, model, 4, [0, 1])
+    with pytest.raises(RegionTopologyError) as refused:
+        _stage_cache(region.rank0, 2)
+    message = str(refused.value)
+    assert message.startswith("region: shared offload region ")
+    assert "layer 1 is stored opaque at tp=2" in message and "claimed by workers at tp=4" in message
+
+    other = regions(1 + 1, row_bytes(model(4), 4))
+    _stage_cache(other.rank0, 2)  # the TP=2 units first: TP=4 workers are refused
+    with pytest.raises(RegionTopologyError, match=r"layer 1 is stored opaque at tp=4.*tp=2"):
+        OffloadWorker(caches(truths, 4, 0, empty=False), model(4), RankContext(4, HEADS, 0),
+                      other.attach())  # fmt: skip
+
+
+def test_a_stage_cache_of_certified_units_keeps_opaque_writers_out_of_its_layers(
+    regions: Any,
+) -> None:
+    """A namespace without opaque layers has no topology: its StageCache claims its layers as
+    canonical pages, so a worker storing layer 1 opaque in those bytes is refused."""
+    truths = truth()
+    certified = lambda tp: [spec(tp), spec(tp)]  # noqa: E731
+    region = regions(1 + 3, row_bytes(certified(4), 4))
+    _stage_cache(region.rank0, 4, certified)
+    with pytest.raises(RegionTopologyError, match=r"layer 1 is stored opaque at tp=4.*workers "
+                       r"at no topology already use bytes"):  # fmt: skip
+        OffloadWorker(caches(truths, 4, 0, empty=False), [spec(4), None], RankContext(4, HEADS, 0),
+                      region.attach())  # fmt: skip
+    OffloadWorker(
+        caches(truths, 2, 0, empty=True), certified(2), RankContext(2, HEADS, 0), region.attach()
+    )  # certified pages cross topologies
+    with pytest.raises(ValueError, match=r"areas\[0\]: expected a canonical area"):
+        region.rank0.claim_rows(None, [RowArea("layer 1", 0, 10, "opaque")])
+
+
+def _state_worker(region: Any, tp: int, rank: int) -> Any:
+    """A state layer of unrecognised layout (spec None: each rank's slot stored whole); TP=4's
+    four slots and TP=2's two take the same bytes."""
+    from canonical_ops.engine.hybrid import StateWorker
+
+    slots = (torch.zeros(3, 4, 16 * 4 // tp, dtype=torch.bfloat16),
+             torch.zeros(3, 2, 4 * 4 // tp, dtype=torch.float32))  # fmt: skip
+    return StateWorker([slots], [None], RankContext(tp, HEADS, rank), region)
+
+
+def test_state_workers_claim_their_region_rows(regions: Any) -> None:
+    """A StateWorker took only a tensor: the demo handed it ``region.tensor``, so readers of
+    another TP were never checked against the writers' opaque state slots."""
+    region = regions(1 + 3, 640)
+    writer = _state_worker(region.attach(), 4, 0)
+    assert writer.fallback_reasons and writer.row_bytes == 640
+    _state_worker(region.attach(), 4, 1)  # the same topology
+    with pytest.raises(RegionTopologyError) as refused:
+        _state_worker(region.attach(), 2, 0)
+    message = str(refused.value)
+    assert message.startswith("rows: shared offload region ")
+    assert "state layer 0 is stored opaque at tp=2, dcp=1, pcp=1, interleave=1" in message
+    assert "claimed by workers at tp=4" in message
+
+
+def _damage(region: SharedOffloadRegion, offset: int, raw: bytes) -> None:
+    fd = os.open(region.path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, raw, offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("damage", ["flags", "unflagged topology"])
+def test_a_damaged_record_stays_damaged_when_a_rank_attaches(regions: Any, damage: str) -> None:
+    """Attaching rewrites the header: it used to re-pack the claims it parsed, so a record
+    damaged by an unknown flag (or a topology without its flag) came back as "nothing
+    claimed" and the next worker of any topology was admitted."""
+    region = regions(3, 1000)
+    at = region_module._HEADER.size
+    _damage(region.rank0, at, struct.pack("<I", 4) if damage == "flags" else b"")
+    if damage != "flags":
+        _damage(region.rank0, at + 8, struct.pack("<4I", 4, 1, 1, 1))
+    attached = region.attach()
+    for claimant in (attached, region.rank0):
+        with pytest.raises(RegionTopologyError, match="record of the workers' claims is damaged"):
+            claimant.claim_rows((2, 1, 1, 1), [RowArea("layer 0", 0, 1000, "opaque")])
+
+
+def test_two_threads_claiming_at_once_see_each_other(regions: Any, monkeypatch: Any) -> None:
+    """flock excludes other open files, not two threads on one region object: both read the
+    empty record, both were admitted, and the last write dropped the other's claim."""
+    import threading
+
+    region = regions(1, 1000).rank0
+    both_read = threading.Barrier(2)
+    read = region_module._Header.read
+
+    def slow_read(fd: int) -> Any:
+        header = read(fd)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_read.wait(timeout=0.5)  # both inside together, unless one waits for the other
+        return header
+
+    monkeypatch.setattr(region_module._Header, "read", staticmethod(slow_read))
+    outcomes: dict[int, BaseException | None] = {}
+
+    def claim(tp: int) -> None:
+        try:
+            region.claim_rows((tp, 1, 1, 1), [RowArea("layer 0", 0, 1000, "opaque")])
+            outcomes[tp] = None
+        except RegionTopologyError as error:
+            outcomes[tp] = error
+
+    threads = [threading.Thread(target=claim, args=(tp,)) for tp in (2, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(error is None for error in outcomes.values()) == [False, True], outcomes

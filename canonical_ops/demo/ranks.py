@@ -62,7 +62,7 @@ def _workers(cfg: DemoConfig, role: str, task: RankTask, regions: list, kv: list
             kv_workers.append((worker, source))
         else:
             slots, specs = truth.state_slots(cfg, tp, source.first, source.end), cfg.state_specs()
-            worker = StateWorker(slots, specs[source.first : source.end], ctx, region.tensor)
+            worker = StateWorker(slots, specs[source.first : source.end], ctx, region)
             states.append((worker, source))
     return kv_workers, states
 

@@ -21,6 +21,7 @@ from ..units.namespace import StoreNamespace
 from ..units.tier import LoadItem, StoreItem
 from ..units.unit import as_byte_view, normalize_key
 from .pages import PageCapacityError, PageManager, PageStateError
+from .region import RegionTopologyError, SharedOffloadRegion, unit_row_claim
 
 __all__ = ["FetchResult", "PersistResult", "StageCache", "StageCacheMetrics", "TierCounters"]
 __all__ += ["TierEvent", "TierLookup", "pp_layer_range", "pp_layer_ranges"]
@@ -160,7 +161,9 @@ class _Search:  # a lookup past the region: blocks found so far, this round's jo
 class StageCache:
     """Region pages of one pipeline stage (``layers = (first, end)``), backed by tiers.
     ``region``: a region (``.tensor``) or its rows, uint8 ``(manager.num_pages, row_bytes)``
-    in CPU memory, row ``p`` holding page ``p``. ``namespace``: built from ALL layers of the
+    in CPU memory, row ``p`` holding page ``p``; a :class:`SharedOffloadRegion` is claimed
+    (``unit_row_claim``): units whose opaque layers another topology's workers would read
+    raise ``RegionTopologyError``. ``namespace``: built from ALL layers of the
     model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here."""
 
     def __init__(
@@ -201,6 +204,11 @@ class StageCache:
                     f"names: expected {len(self.tiers)} distinct non-empty names, got {names!r}"
                 )
         self.rows: np.ndarray | None = self._rows(region)
+        if isinstance(region, SharedOffloadRegion):  # its units' opaque layers claim the rows
+            try:
+                region.claim_rows(*unit_row_claim(namespace, first, end))
+            except RegionTopologyError as error:
+                raise RegionTopologyError(f"region: {error}") from None
         self._filler = f"stage[{first},{end})"
         fields = [f.name for f in dataclasses.fields(TierCounters)][1:]  # all but the name
         self._counts = [{**dict.fromkeys(fields, 0), "last_error": ""} for _ in self.tiers]

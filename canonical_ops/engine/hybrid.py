@@ -31,6 +31,7 @@ from ..units.namespace import (
     is_namespace_hex,
 )
 from .pages import PageManager
+from .region import RegionTopologyError, RowArea, SharedOffloadRegion
 
 __all__ = ["StateWorker", "explain_state_miss", "hybrid_namespace", "split_stage_layers"]
 __all__ += ["state_group_mappings", "state_page_manager", "state_shard"]
@@ -154,19 +155,24 @@ def state_shard(
 
 class StateWorker:
     """One rank's state layers of one pipeline stage <-> the stage's state region rows
-    (uint8 ``(num_pages, row_bytes)``, a row per state unit). ``state_caches[l]``: layer
-    ``l``'s ``(conv, ssm)``, ``(num_slots, ...)`` with contiguous slots, exactly what
-    ``layouts.state`` says this rank holds (an opaque layer: stored whole). One op call per
-    direction; stores write only the bytes this rank is elected for."""
+    (uint8 ``(num_pages, row_bytes)``, a row per state unit, or a
+    :class:`~.region.SharedOffloadRegion` of them). ``state_caches[l]``: layer ``l``'s
+    ``(conv, ssm)``, ``(num_slots, ...)`` with contiguous slots, exactly what ``layouts.state``
+    says this rank holds (an opaque layer: stored whole). One op call per direction; stores
+    write only the bytes this rank is elected for. On a region the worker claims its rows
+    when built (topology (tp, dcp, pcp, 1)): an opaque state layer of another topology
+    raises ``RegionTopologyError``, never loads."""
 
     def __init__(
         self,
         state_caches: Sequence[Sequence[torch.Tensor]],
         specs: Sequence[StateSpec | None],
         ctx: RankContext,
-        rows: torch.Tensor,
+        rows: torch.Tensor | SharedOffloadRegion,
     ) -> None:
         check_type("ctx", ctx, RankContext)
+        region = rows if isinstance(rows, SharedOffloadRegion) else None
+        rows = rows if region is None else region.tensor
         if isinstance(state_caches, torch.Tensor) or not len(state_caches):
             raise ValueError("state_caches: expected one (conv, ssm) pair per state layer")
         if len(specs) != len(state_caches):
@@ -200,6 +206,20 @@ class StateWorker:
         # State layer -> why it is stored opaquely (only the same topology reads it).
         reasons = enumerate(layer.fallback_reason for layer in self.mappings)
         self.fallback_reasons = {i: why for i, why in reasons if why is not None}
+        if region is not None:  # last: a refusal leaves nothing built
+            self._claim_rows(region)
+
+    def _claim_rows(self, region: SharedOffloadRegion) -> None:
+        areas, position = [], 0
+        for index, layer in enumerate(self.mappings):
+            end = position + layer.canonical_bytes
+            areas.append(RowArea(f"state layer {index}", position, end, layer.fallback_reason))
+            position = end
+        ctx = self.ctx
+        try:
+            region.claim_rows((ctx.tp_size, ctx.dcp_size, ctx.pcp_size, 1), areas)
+        except RegionTopologyError as error:
+            raise RegionTopologyError(f"rows: {error}") from None
 
     def _check_layer(
         self, index: int, spec: StateSpec | None, pair: Sequence[torch.Tensor]

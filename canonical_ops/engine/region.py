@@ -16,9 +16,11 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +29,11 @@ from ..checks import check_int, check_seconds
 from ..units.liveness import ProcessId, process_alive, this_process
 
 __all__ = ["RegionSpaceError", "RegionTopologyError", "RowArea", "SharedOffloadRegion"]
-__all__ += ["region_path"]
+__all__ += ["region_path", "unit_row_claim"]
 
 HEADER_BYTES = 4096
 MAGIC = b"CKVSHMR\x00"
-FORMAT_VERSION = 3  # 3: the row claims (a version-2 rank would not check them)
+FORMAT_VERSION = 4  # 3: the row claims; 4: their canonical table (a version-3 rank lacks it)
 STATE_INIT, STATE_READY = 0, 1
 FILE_PREFIX = "canonical-kv-"
 PIN_CHUNK_BYTES = 1 << 30
@@ -41,15 +43,19 @@ MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 # magic, version, state, num_rows, row_bytes, world_size, creator (pid namespace, pid,
 # start ticks), engine id digest; from _RANKS_OFFSET one byte per rank (1: attached).
 _HEADER = struct.Struct("<8sIIQQI4xQqQ16s")
-# After it, the row claims: flags (_CLAIMED, _FOREIGN), the claimed topology, the first other
-# one, the number of opaque and of foreign ranges; the two range tables end the header.
-_CLAIMS = struct.Struct("<II4I4IHH")
+# After it, the row claims: flags (_CLAIMED, _FOREIGN), a zero word, the claimed topology,
+# the first other one, the number of opaque, canonical and foreign ranges; the three range
+# tables (opaque and canonical at the claimed topology, canonical elsewhere) end the header.
+_CLAIMS = struct.Struct("<II4I4IHHH")
 _CLAIMED, _FOREIGN = 1, 2
 _RANKS_OFFSET = 128
-MAX_RANGES = 64  # per table; more are joined (the gap too: it only refuses more)
+MAX_RANGES = 40  # per table; more are joined (the gap too: it only refuses more)
 _RANGE = struct.Struct("<QQ")
-_OPAQUE_OFFSET = HEADER_BYTES - 2 * MAX_RANGES * _RANGE.size
-_FOREIGN_OFFSET = HEADER_BYTES - MAX_RANGES * _RANGE.size
+_TABLE_BYTES = MAX_RANGES * _RANGE.size
+_OPAQUE_OFFSET = HEADER_BYTES - 3 * _TABLE_BYTES
+_CANONICAL_OFFSET = HEADER_BYTES - 2 * _TABLE_BYTES
+_FOREIGN_OFFSET = HEADER_BYTES - _TABLE_BYTES
+_TABLES = (_OPAQUE_OFFSET, _CANONICAL_OFFSET, _FOREIGN_OFFSET)
 MAX_WORLD_SIZE = _OPAQUE_OFFSET - _RANKS_OFFSET
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
 _UNLINK_WAIT_S = 5.0
@@ -97,6 +103,29 @@ class RowArea:
     opaque: str | None = None
 
 
+def unit_row_claim(namespace: Any, first: int, end: int) -> tuple[Topology | None, list[RowArea]]:
+    """What a mover of ``namespace``'s units of layers ``[first, end)`` (a StageCache: row
+    ``p`` holds one unit, the layers in order) claims of a region's rows: the topology of its
+    opaque layers (a state layer's with interleave 1, as ``StateWorker`` claims; None when
+    every layer is certified) and each layer's area, opaque where the namespace stores it so."""
+    states = namespace.unit_kind == "state"
+    geometries = (namespace.states if states else namespace.layers)[first:end]
+    offsets = namespace.payload_offsets(first, end)
+    kind = "state layer" if states else "layer"
+    areas, topologies = [], set()
+    for index, (geometry, start, stop) in enumerate(zip(geometries, offsets, offsets[1:])):
+        reason = None
+        if geometry.opaque:
+            topology = tuple(geometry.topology)
+            topologies.add((*topology, 1) if states else topology)
+            why = getattr(geometry, "reason", "") or "not parallelism agnostic"
+            reason = f"stored opaque in namespace {namespace.hex[:16]}... ({why})"
+        areas.append(RowArea(f"{kind} {first + index}", start, stop, reason))
+    if len(topologies) > 1:
+        raise ValueError(f"namespace: expected opaque layers of one topology, got {topologies}")
+    return (topologies.pop() if topologies else None), areas
+
+
 def _joined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` sorted and merged, at most MAX_RANGES (the nearest ones joined, gap and all:
     a claim only ever covers more, so it refuses more, never less)."""
@@ -118,31 +147,40 @@ def _overlap(area: RowArea, ranges: Sequence[tuple[int, int]]) -> tuple[int, int
 
 @dataclass
 class _Claims:
-    """The workers' claims on the rows: ``topology`` of the first claimant, ``opaque`` ranges
-    stored opaque at it, ``foreign`` ranges used as canonical pages by workers of another
-    topology (the first of which is ``other``); ``damaged``: the record did not parse."""
+    """The workers' claims on the rows: ``topology`` of the first claimant with one, the
+    ``opaque`` and ``canonical`` ranges moved at it, ``foreign`` ranges moved as canonical
+    pages by workers of another topology (the first of which is ``other``) or of none (a
+    StageCache of certified units); ``damaged``: the record did not parse (``raw``: the
+    header it came from, written back as it was: a damaged record is never repaired)."""
 
     topology: Topology | None = None
     other: Topology | None = None
     opaque: list[tuple[int, int]] = field(default_factory=list)
+    canonical: list[tuple[int, int]] = field(default_factory=list)
     foreign: list[tuple[int, int]] = field(default_factory=list)
     damaged: bool = False
+    raw: bytes = b""
 
     @classmethod
     def parse(cls, raw: bytes, row_bytes: int) -> _Claims:
         """The record in header ``raw``, checked (another process wrote it: ``damaged`` when
         it is not what :meth:`pack_into` writes for rows of ``row_bytes``)."""
-        flags, _, *topologies, n_opaque, n_foreign = _CLAIMS.unpack_from(raw, _HEADER.size)
+        flags, zero, *fields = _CLAIMS.unpack_from(raw, _HEADER.size)
+        topologies, counts = fields[:8], fields[8:]
         tables = []
-        for offset, count in ((_OPAQUE_OFFSET, n_opaque), (_FOREIGN_OFFSET, n_foreign)):
+        for offset, count in zip(_TABLES, counts):
             count = min(count, MAX_RANGES + 1)
             tables.append([_RANGE.unpack_from(raw, offset + i * _RANGE.size) for i in range(count)])
         claimed = tuple(topologies[:4]) if flags & _CLAIMED else None
-        claims = cls(claimed, tuple(topologies[4:]) if flags & _FOREIGN else None, *tables)
+        other = tuple(topologies[4:]) if flags & _FOREIGN else None
+        claims = cls(claimed, other, *tables, raw=bytes(raw))
         problems = (
+            zero,
             flags & ~(_CLAIMED | _FOREIGN),
-            any(t is not None and min(t) < 1 for t in (claims.topology, claims.other)),
-            claimed is None and (claims.other or claims.opaque or claims.foreign),
+            any(t is not None and min(t) < 1 for t in (claimed, other)),
+            claimed is None and any(topologies[:4]),
+            other is None and any(topologies[4:]),
+            claimed is None and (other or claims.opaque or claims.canonical),
             any(
                 len(t) > MAX_RANGES or not all(0 <= s < e <= row_bytes for s, e in t)
                 for t in tables
@@ -152,38 +190,53 @@ class _Claims:
         return claims
 
     def pack_into(self, raw: bytearray) -> None:
+        if self.damaged:  # as read: damage stays visible to every later claimant
+            raw[_HEADER.size : _RANKS_OFFSET] = self.raw[_HEADER.size : _RANKS_OFFSET]
+            raw[_OPAQUE_OFFSET:] = self.raw[_OPAQUE_OFFSET:]
+            return
         flags = (_CLAIMED if self.topology else 0) | (_FOREIGN if self.other else 0)
         topologies = (*(self.topology or (0,) * 4), *(self.other or (0,) * 4))
-        counts = (len(self.opaque), len(self.foreign))
-        _CLAIMS.pack_into(raw, _HEADER.size, flags, 0, *topologies, *counts)
-        for offset, table in ((_OPAQUE_OFFSET, self.opaque), (_FOREIGN_OFFSET, self.foreign)):
+        tables = (self.opaque, self.canonical, self.foreign)
+        _CLAIMS.pack_into(raw, _HEADER.size, flags, 0, *topologies, *map(len, tables))
+        for offset, table in zip(_TABLES, tables):
             for i, (start, end) in enumerate(table):
                 _RANGE.pack_into(raw, offset + i * _RANGE.size, start, end)
 
-    def refusal(self, topology: Topology, areas: Sequence[RowArea]) -> str | None:
-        """Why a worker at ``topology`` moving ``areas`` may not use these rows, or None."""
-        here = _topology_text(topology)
+    def refusal(self, topology: Topology | None, areas: Sequence[RowArea]) -> str | None:
+        """Why a worker at ``topology`` (None: of no topology, canonical pages only) moving
+        ``areas`` may not use these rows, or None."""
         if self.damaged:
             return "its record of the workers' claims is damaged (not written by this code)"
-        if self.topology is None or topology == self.topology:
-            for area in areas:
-                taken = _overlap(area, self.foreign) if area.opaque else None
-                if taken is not None:
-                    return (
-                        f"{area.name} is stored opaque at {here} (fallback reason: "
-                        f"{area.opaque}), but workers at {_topology_text(self.other)} already "
-                        f"use bytes {list(taken)} of each row as canonical pages"
-                    )
-            return None
-        there = _topology_text(self.topology)
+        here = _topology_text(topology) if topology else "no topology (certified pages only)"
+        owner = self.topology
+        there = _topology_text(owner) if owner else ""
         for area in areas:
-            if area.opaque:
+            if area.opaque and owner is not None and topology != owner:
                 return (
                     f"{area.name} is stored opaque at {here} (fallback reason: {area.opaque}): "
                     f"its pages are each rank's bytes whole, but the region's rows are claimed "
                     f"by workers at {there}"
                 )
+            if area.opaque:
+                readers = [(r, there) for r in self.canonical]
+                readers += [(r, _topology_text(self.other) if self.other else "no topology")
+                            for r in self.foreign]  # fmt: skip
+                taken = next(((r, who) for r, who in readers if _overlap(area, [r])), None)
+                if taken is not None:
+                    return (
+                        f"{area.name} is stored opaque at {here} (fallback reason: "
+                        f"{area.opaque}), but workers at {taken[1]} already use bytes "
+                        f"{list(taken[0])} of each row as canonical pages"
+                    )
+                continue
             taken = _overlap(area, self.opaque)
+            if taken is not None and topology == owner:
+                return (
+                    f"{area.name} (bytes {[area.start, area.end]} of each row) holds pages "
+                    f"stored opaque by workers at {there} (bytes {list(taken)}), but this "
+                    f"worker of the same topology takes them as canonical pages: the two lay "
+                    f"that layer out differently (another spec, or another layer there)"
+                )
             if taken is not None:
                 return (
                     f"{area.name} (bytes {[area.start, area.end]} of each row) holds pages "
@@ -192,13 +245,15 @@ class _Claims:
                 )
         return None
 
-    def add(self, topology: Topology, areas: Sequence[RowArea]) -> None:
+    def add(self, topology: Topology | None, areas: Sequence[RowArea]) -> None:
         """Record a worker the :meth:`refusal` check admitted."""
         ranges = [(a.start, a.end) for a in areas]
-        if self.topology is None:
+        if topology is not None and self.topology is None:
             self.topology = topology
-        if topology == self.topology:
+        if topology is not None and topology == self.topology:
             self.opaque = _joined(self.opaque + [r for r, a in zip(ranges, areas) if a.opaque])
+            canonical = [r for r, a in zip(ranges, areas) if not a.opaque]
+            self.canonical = _joined(self.canonical + canonical)
         else:
             self.other = self.other or topology
             self.foreign = _joined(self.foreign + ranges)
@@ -283,6 +338,7 @@ class SharedOffloadRegion:
         self._fd = self._dir = -1
         self._mmap = self._tensor = self._stat = None  # mmap, its tensor, the file's stat
         self._pinned: list[int] = []
+        self._claim_lock = threading.Lock()
         self.path = region_path(engine_id, shm_dir)
         self.engine_id, self.shm_dir, self._name = engine_id, shm_dir, os.path.basename(self.path)
         self.num_rows = check_int("num_rows", num_rows, minimum=1)
@@ -324,19 +380,25 @@ class SharedOffloadRegion:
         """Whether this rank page-locked the data area with CUDA."""
         return bool(self._pinned)
 
-    def claim_rows(self, topology: Topology, areas: Sequence[RowArea]) -> None:
-        """Record that a worker at ``topology`` (tp, dcp, pcp, interleave) moves ``areas`` of
-        every row, or raise :class:`RegionTopologyError` (naming the area, its fallback reason
-        and both topologies; nothing recorded) when another topology's opaque pages are in
-        them, or its own opaque pages would land where another topology reads canonical
-        pages. The first claimant's topology owns the rows' opaque pages; a worker of another
-        topology may only move canonical pages, elsewhere. Atomic across the ranks (the
-        file's lock); :class:`OffloadWorker` calls it when built on a region."""
+    def claim_rows(self, topology: Topology | None, areas: Sequence[RowArea]) -> None:
+        """Record that a worker at ``topology`` (tp, dcp, pcp, interleave; None: a mover of
+        certified pages only, e.g. a StageCache of a namespace without opaque layers) moves
+        ``areas`` of every row, or raise :class:`RegionTopologyError` (naming the area, its
+        fallback reason and both topologies; nothing recorded) when opaque pages are in areas
+        it takes as canonical pages (another topology's, or its own topology's laid out
+        otherwise), or its opaque pages would land where another worker reads canonical
+        pages or another topology owns the rows. The first claimant with a topology owns the
+        rows' opaque pages; a worker of another topology may only move canonical pages,
+        outside them. Atomic across the ranks (the file's lock) and this process's threads;
+        :class:`OffloadWorker`, ``StateWorker`` and ``StageCache`` call it when built on a
+        region."""
         if self.closed:
             raise ValueError(f"SharedOffloadRegion({self.path}) is closed")
-        if not (isinstance(topology, tuple) and len(topology) == 4):
-            raise ValueError(f"topology: expected (tp, dcp, pcp, interleave), got {topology!r}")
-        for i, value in enumerate(topology):
+        if topology is not None and not (isinstance(topology, tuple) and len(topology) == 4):
+            raise ValueError(
+                f"topology: expected (tp, dcp, pcp, interleave) or None, got {topology!r}"
+            )
+        for i, value in enumerate(topology or ()):
             check_int(f"topology[{i}]", value, minimum=1)
         areas = list(areas)
         for i, area in enumerate(areas):
@@ -344,7 +406,17 @@ class SharedOffloadRegion:
                 raise TypeError(f"areas[{i}]: expected a RowArea, got {type(area).__name__}")
             check_int(f"areas[{i}].start", area.start, minimum=0, maximum=self.row_bytes)
             check_int(f"areas[{i}].end", area.end, minimum=area.start, maximum=self.row_bytes)
+            if topology is None and area.opaque:
+                raise ValueError(
+                    f"areas[{i}]: expected a canonical area (opaque=None) without a topology, "
+                    f"got opaque {area.name!r} (opaque pages are readable at one topology only)"
+                )
         areas = [area for area in areas if area.end > area.start]  # an empty one moves nothing
+        # flock excludes other open files of the region, not this file's other threads
+        with self._claim_lock:
+            self._claim_locked(topology, areas)
+
+    def _claim_locked(self, topology: Topology | None, areas: list[RowArea]) -> None:
         self._lock(self._fd, time.monotonic() + self._timeout)
         try:
             header = _Header.read(self._fd)
