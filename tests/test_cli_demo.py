@@ -20,6 +20,8 @@ import time
 import pytest
 import torch
 from helpers.demo_cli import ROOT, TINY, assert_usage_error, run_demo
+from helpers.fleet_cli import MODEL as FLEET_MODEL
+from helpers.fleet_cli import run_fleet
 
 from canonical_ops.demo import config as demo_config
 from canonical_ops.demo import report, truth
@@ -469,3 +471,48 @@ def test_failure_lines_are_escaped():
     report.print_result(summary, out, err)
     assert_no_forgery(out.getvalue() + err.getvalue())
     assert err.getvalue().count("\n") == 1 and err.getvalue().startswith("FAIL: writer rank 0")
+
+
+# --------------------------------------------------------------------------- one prefix, every engine
+
+
+def test_fleet_standalone_side_loads_what_the_demo_stored_and_says_what_missed(tmp_path):
+    """The demo's write phase keys units with scheme v2 in the shared namespace: the one-prefix
+    phase's standalone side (the demo's read engine) finds them at another TP; a unit that
+    was never stored is a miss: its line says so and the exit status is 1."""
+    store = str(tmp_path / "store")
+    fleet_flags = ["--packing", "split", "--model-name", "canonical-kv-demo/one-prefix"]
+    written = run_demo(
+        *FLEET_MODEL, *fleet_flags, "--prompt-tokens", "48", "--store", store,
+        "--phase", "write", "--writer-tp", "4",
+    )  # fmt: skip
+    assert written.returncode == 0, written.stderr[-3000:]
+    loaded = run_fleet("standalone", "--store", store, "--tp", "2", "--load", "3")
+    assert loaded["returncode"] == 0 and loaded["line"].startswith("standalone TP=2: ")
+    assert (loaded["loaded"], loaded["missed"], loaded["wrong"]) == (3, 0, 0)
+    assert loaded["checked"] == 3 * 2 * 16 * 8 * 64 * 2 * 2  # units x layers x tokens x KV
+    missed = run_fleet("standalone", "--store", store, "--tp", "1", "--load", "4")
+    assert missed["returncode"] == 1 and missed["verdict"] == "FAIL"
+    assert (missed["loaded"], missed["missed"], missed["wrong"]) == (3, 1, 0)
+    other = run_fleet("standalone", "--store", store, "--load", "3", "--model-name", "x/other")
+    assert (other["returncode"], other["loaded"], other["missed"]) == (1, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["vllm", "--store", "/tmp/x", "--write", "0:2"], ["needs vLLM 0.33", ".venv-vllm"]),
+        (["sglang", "--store", "/tmp/x", "--load", "2"], ["needs SGLang 0.5", ".venv-sglang"]),
+        (["standalone", "--store", "/tmp/x"], ["standalone: expected --load N"]),
+        (["vllm", "--store", "/tmp/x"], ["expected --load N, --write A:B"]),
+        (["vllm", "--store", "/tmp/x", "--write", "3:3"], ["--write", "0 <= A < B"]),
+        (["standalone", "--store", "/tmp/x", "--load", "2", "--preset", "deepseek-v3"],
+         ["--preset deepseek-v3", "float16 or bfloat16", "llama3-8b"]),
+        (["standalone", "--store", "/tmp/x", "--load", "2", "--preset", "llama3-8b-fp8"],
+         ["--preset llama3-8b-fp8"]),
+    ],
+)  # fmt: skip
+def test_fleet_bad_input_is_one_line_and_exit_2(args, words):
+    command = [sys.executable, "-m", "canonical_ops.demo.fleet", *args]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert_usage_error(result, *words)

@@ -15,6 +15,7 @@ every unit asked for was stored or loaded bit-exact, 1 otherwise, 2 for a usage 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -35,7 +36,9 @@ def _span(text: str) -> tuple[int, int]:
     except ValueError:
         span = None
     if not sep or span is None or not 0 <= span[0] < span[1]:
-        raise ValueError(f"expected A:B with 0 <= A < B (the units [A, B)), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected A:B with 0 <= A < B (the units [A, B)), got {text!r}"
+        )
     return span
 
 
