@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from layouts import LayerSpec, RankContext
+from layouts import RankContext
 from layouts.cli import escape_text
-from layouts.tokens import join_units, split_unit
 
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
+from ..units.across import UnitsAcross, readable_across
 from ..units.redis_url import REDIS_SCHEMES
 from ..units.token_keys import HASH_ALGORITHMS, TokenKeyScheme
 from .key_index import TokenKeyIndex, install_hash_observer
@@ -176,18 +176,17 @@ class CanonicalStorageCore:
         self.across: list[_Across] = []
         self.tier = _open_store(store, self.namespace, options)
         try:
-            specs = (codec.spec, num_layers, ctx, kv_quant)
-            for tokens, namespace in self._across_namespaces(*specs, scheme):
-                found = _Across(tokens, namespace, _open_store(store, namespace, options))
-                self.across.append(found)
+            for across in self._across_namespaces():
+                reader = _Across(across, _open_store(store, across.namespace, options))
+                self.across.append(reader)
         except BaseException:
             self.close()
             raise
         self.pool = pool
 
-    def _across_namespaces(self, spec, num_layers, ctx, kv_quant, scheme) -> list:
-        """(tokens, namespace) of each ``read_unit_tokens`` this backend can read across: a
-        multiple or divisor of the page size (one line says why another is not read)."""
+    def _across_namespaces(self) -> list[UnitsAcross]:
+        """How each ``read_unit_tokens`` this backend can read across is read (a multiple or
+        divisor of the page size; one line says why another is not read)."""
         wanted = self.config.get("read_unit_tokens", [])
         if not isinstance(wanted, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in wanted
@@ -196,25 +195,7 @@ class CanonicalStorageCore:
                 f"extra_config.read_unit_tokens: expected a list of positive ints (other "
                 f"engines' tokens per unit), got {wanted!r:.80}"
             )
-        out, page = [], spec.block_size
-        for tokens in dict.fromkeys(wanted):
-            why = None
-            if tokens == page:
-                continue
-            if tokens % page and page % tokens:
-                why = f"neither a multiple nor a divisor of the page size {page}"
-            elif not self.namespace.key_scheme or self.namespace.topology_bound:
-                why = "this backend's own units are not shared"
-            else:
-                try:
-                    layers = [replace(spec, block_size=tokens)] * num_layers
-                    own = StoreNamespace.from_specs(self.model, layers, ctx, kv_quant=kv_quant)
-                    out.append((tokens, own.shared_prefix(scheme)))
-                except ValueError as error:
-                    why = str(error)
-            if why is not None:
-                logger.warning("canonical-kv: not reading units of %d tokens: %s", tokens, why)
-        return out
+        return readable_across(self.namespace, wanted)
 
     def _key_scheme(self, page_size: int) -> TokenKeyScheme:
         extra = self.config
@@ -286,32 +267,32 @@ class CanonicalStorageCore:
 
     def _across_units(self, keys: Sequence[str], i: int) -> list[tuple[_Across, list, int]]:
         """Where page ``i`` of ``keys`` lies in units of other token counts: (the namespace's
-        reader, its units' keys, the page's part of the one unit or -1 to join them)."""
-        out, index, page = [], self.index, self.codec.page_size
-        for across in self.across:
-            if across.tokens < page:
+        reader, the keys of the page's source units, the page's index in its sequence)."""
+        out, index = [], self.index
+        at = index.position(keys[i])
+        if at is None:
+            return out
+        for reader in self.across:
+            across = reader.units
+            if not across.splits:
                 ukeys = index.unit_keys_within(keys[i], across.tokens)
                 if ukeys is not None:
-                    out.append((across, ukeys, -1))
+                    out.append((reader, ukeys, at))
                 continue
-            parts, at = across.tokens // page, index.position(keys[i])
-            last = None if at is None else i + parts - 1 - at % parts
-            if (
-                last is not None
-                and last < len(keys)
-                and index.position(keys[last]) == at + parts - 1 - at % parts
-            ):
-                out.append((across, [index.canonical(keys[last])], at % parts))
+            # The source unit is named by its last page, which must be in this call.
+            last = i + across.ratio - 1 - at % across.ratio
+            if last < len(keys) and index.position(keys[last]) == at + last - i:
+                out.append((reader, [index.canonical(keys[last])], at))
         return out
 
     def _load_across(self, keys: Sequence[str], pages: Sequence[Any], done: int) -> int:
-        """Fill pages from ``done`` on from units of other token counts (split or joined in
-        ``layouts.tokens``), verified as any load; how many pages are filled in all."""
-        transfer, units = self.loads, {}
+        """Fill pages from ``done`` on from units of other token counts (``UnitsAcross``: split
+        or joined), verified as any load; how many pages are filled in all."""
+        transfer, loaded = self.loads, {}
         while done < len(pages):
             payload = None
-            for across, ukeys, part in self._across_units(keys, done):
-                payload = self._across_payload(across, ukeys, part, units)
+            for reader, ukeys, at in self._across_units(keys, done):
+                payload = self._across_payload(reader, ukeys, at, loaded)
                 if payload is not None:
                     break
             if payload is None:
@@ -322,24 +303,23 @@ class CanonicalStorageCore:
             done += 1
         return done
 
-    def _across_payload(self, across: _Across, ukeys: list, part: int, units: dict) -> Any:
-        """This page's unit bytes from ``ukeys``' verified units (``units``: loaded ones)."""
-        loaded = []
-        for key in ukeys:
-            if key not in units:
-                row = np.empty(across.namespace.layer_bytes(self.first, self.end), np.uint8)
-                outcome = across.store.load(key, self.first, self.end, row)
+    def _across_payload(self, reader: _Across, ukeys: list, at: int, loaded: dict) -> Any:
+        """Page ``at``'s unit bytes from its source units ``ukeys``, each loaded and verified
+        once (``loaded``: (reader's size, source index) -> row); None if one is not ok."""
+        across, rows = reader.units, {}
+        for source, key in zip(across.sources(at), ukeys):
+            if (across.tokens, source) not in loaded:
+                if len(loaded) > 8:
+                    loaded.clear()
+                row = np.empty(across.source_bytes(self.first, self.end), np.uint8)
+                outcome = reader.store.load(key, self.first, self.end, row)
                 if outcome.status != "ok":
                     if outcome.status != "miss":
                         _ok(outcome, "load")  # logs why
                     return None
-                units.clear() if len(units) > 8 else None
-                units[key] = row
-            loaded.append(units[key])
-        specs = across.specs(self.first, self.end)
-        if part < 0:
-            return join_units(loaded, specs)
-        return split_unit(loaded[0], specs, across.tokens // self.codec.page_size)[part]
+                loaded[across.tokens, source] = row
+            rows[source] = loaded[across.tokens, source]
+        return across.build(rows, [at], self.first, self.end)[0]
 
     def load_pages(self, keys: Sequence[str], pages: Sequence[Any]) -> int:
         """Fill ``pages`` (host page views, or SGLang's flat forms) from the store, a prefix;
@@ -418,25 +398,12 @@ class CanonicalStorageCore:
         return ready
 
 
-# A LayerGeometry's fields that make its whole layer's LayerSpec (layouts.tokens' view).
-_PAGE_FIELDS = ("attention", "tokens_per_page", "total_kv_heads", "head_size", "dtype")
-_PAGE_FIELDS += ("packing", "order")
-
-
 @dataclass(frozen=True)
 class _Across:
     """A reader of the shared units of another token count (``read_unit_tokens``)."""
 
-    tokens: int
-    namespace: StoreNamespace
+    units: UnitsAcross
     store: Any
-
-    def specs(self, first: int, end: int) -> list[LayerSpec]:
-        """Each layer's whole canonical page in ``[first, end)`` (``layouts.tokens``' view)."""
-        return [
-            LayerSpec(*(getattr(g, n) for n in _PAGE_FIELDS))
-            for g in self.namespace.layers[first:end]
-        ]
 
 
 def _open_store(location: str, namespace: StoreNamespace, options: dict) -> Any:

@@ -267,6 +267,19 @@ class TokenKeyScheme:
         keys themselves differ with it)."""
         return f"{KEY_SCHEME_V2}/{self.algorithm}/{self.hash_block_tokens}"
 
+    @classmethod
+    def described(cls, text: str) -> TokenKeyScheme:
+        """The scheme :meth:`describe` gave ``text`` (the seed: vLLM's rule, as by default);
+        ValueError for any other text."""
+        name, _, rest = str(text).partition("/")
+        algorithm, _, block = rest.partition("/")
+        if name != KEY_SCHEME_V2 or not block.isdigit() or block != str(int(block)):
+            raise ValueError(
+                f"key_scheme: expected '{KEY_SCHEME_V2}/<algorithm>/<hash block tokens>', "
+                f"got {text!r:.80}"
+            )
+        return cls(algorithm, int(block))
+
     @property
     def none_hash(self) -> bytes:
         """vLLM's ``NONE_HASH``: the parent of a sequence's first hash block."""
