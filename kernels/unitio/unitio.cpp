@@ -13,8 +13,9 @@
 // - A load hashes (XXH3-128, or the caller's MAC through Python) every byte it reads and
 //   compares the header with the bytes the caller expects. Caller memory is written only
 //   under the job's claim: RWF_NOWAIT reads straight into the destination (they never wait
-//   for a device, so the claimed window is a bounded copy) or a memcpy from the batch's
-//   aligned buffer after a read that may block. An expired job writes nothing.
+//   for a device, so the claimed window is a bounded copy) or, after a read that may
+//   block, from the batch's aligned buffer in 4 KiB blocks, each hashed while in L1 and
+//   then streamed (non-temporal stores) into the destination. An expired job writes nothing.
 // - A store writes a temp file (hashing each piece as it goes), optionally fdatasyncs it
 //   and moves it under its name only under the claim: renameat2(RENAME_NOREPLACE) (or
 //   link() where the file system lacks it) never replaces, so the first writer wins, and
@@ -24,9 +25,6 @@
 #include <Python.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <setjmp.h>
-#include <signal.h>
-#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -86,7 +84,7 @@ enum Status : int {
 constexpr int kAlign = 4096;  // O_DIRECT offsets, lengths and buffers
 constexpr size_t kMaxHeader = 96 + 1024;
 constexpr size_t kStep = 256 << 10;  // bytes copied then hashed at once: they stay in L2
-constexpr size_t kBlock = 4096;      // bytes snapshotted, hashed and streamed at once (L1)
+constexpr size_t kBlock = 4096;      // bytes hashed then streamed at once: they stay in L1
 
 // ----------------------------------------------------------------- the job state word
 
@@ -424,58 +422,6 @@ void stream_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 const StreamFn g_stream = pick_stream();
 
-// ----------------------------------------------------------------- mapped reads and SIGBUS
-
-// A warm load reads its unit through a mapping of the page cache (one pass: each 4 KiB
-// block is copied into L1, hashed there and streamed on). Another process may truncate the
-// file meanwhile: the next touch of a page past its new end raises SIGBUS. The handler turns
-// a SIGBUS inside the span this thread is reading into a siglongjmp back to the reader (the
-// unit is CORRUPT, a miss); any other SIGBUS goes to the handler that was there before (or
-// the default action: the fault repeats and ends the process, as without us).
-struct MapGuard {
-  sigjmp_buf env;
-  const unsigned char* lo = nullptr;
-  const unsigned char* hi = nullptr;
-};
-
-// initial-exec: the handler reads it without a TLS allocation (a pointer of static TLS).
-__attribute__((tls_model("initial-exec"))) thread_local MapGuard* t_guard = nullptr;
-std::atomic<const struct sigaction*> g_previous_sigbus{nullptr};
-std::mutex g_sigbus_lock;
-
-void on_sigbus(int sig, siginfo_t* info, void* context) {
-  MapGuard* guard = t_guard;
-  const auto* at = static_cast<const unsigned char*>(info->si_addr);
-  if (guard != nullptr && at >= guard->lo && at < guard->hi) siglongjmp(guard->env, 1);
-  const struct sigaction* previous = g_previous_sigbus.load();
-  if (previous != nullptr && (previous->sa_flags & SA_SIGINFO)) {
-    previous->sa_sigaction(sig, info, context);
-  } else if (previous != nullptr && previous->sa_handler != SIG_DFL &&
-             previous->sa_handler != SIG_IGN) {
-    previous->sa_handler(sig);
-  } else {  // SIG_DFL (a fault's SIGBUS cannot be ignored): the fault repeats and kills
-    signal(SIGBUS, SIG_DFL);
-  }
-}
-
-// Whether on_sigbus handles SIGBUS now (installed when another handler replaced it, that
-// one kept as the previous); false when it cannot be: then units are read, not mapped.
-bool sigbus_guarded() {
-  struct sigaction now;
-  if (sigaction(SIGBUS, nullptr, &now) != 0) return false;
-  if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus) return true;
-  std::lock_guard<std::mutex> hold(g_sigbus_lock);
-  auto* previous = new struct sigaction;  // never freed: a handler may be reading the old one
-  struct sigaction ours = {};
-  ours.sa_sigaction = on_sigbus;
-  ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
-  sigemptyset(&ours.sa_mask);
-  if (sigaction(SIGBUS, nullptr, previous) != 0) return false;
-  if ((previous->sa_flags & SA_SIGINFO) && previous->sa_sigaction == on_sigbus) return true;
-  g_previous_sigbus.store(previous);
-  return sigaction(SIGBUS, &ours, nullptr) == 0;
-}
-
 // Read `want` bytes at `offset` into `buf` (room for `want` rounded up to 4096 when
 // `direct`); the bytes read: fewer only at the end of the file.
 ssize_t read_full(int fd, unsigned char* buf, size_t want, bool direct, off_t offset) {
@@ -605,11 +551,9 @@ struct Worker {
 };
 
 struct UnitReader : Worker<LoadItem, LoadOptions> {
-  static constexpr int kNotMapped = -1;
   unsigned char sum[16] = {0};
   size_t hl = 0, total = 0;
   bool direct_on = false;
-  volatile bool map_claimed = false;  // read after a siglongjmp: volatile
 
   int fail(int status, const char* reason) {
     item.reason = reason;
@@ -638,74 +582,6 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     size_t a = std::max(p0, item.lo), b = std::min(p0 + m, item.hi);
     if (a < b)
       g_stream(static_cast<unsigned char*>(item.data.buf) + (a - item.lo), from + (a - p0), b - a);
-  }
-
-  // One pass over a mapped unit: each block is copied into L1 (a snapshot: the destination
-  // gets exactly the bytes hashed, whatever another process writes meanwhile), hashed there
-  // and streamed on. Claimed one piece at a time: the pages are mapped already (populated),
-  // so a claimed stretch is a memory copy.
-  int mapped_blocks(const unsigned char* map) {
-    alignas(64) unsigned char block[kBlock];
-    static_assert(kMaxHeader <= kBlock, "the header fits a block");
-    memcpy(block, map, hl);
-    if (int status = begin(block); status != OK) return status;
-    for (size_t pos = hl; pos < total;) {
-      const size_t end = std::min(total, pos + opt.piece);
-      const bool wanted = end - hl > item.lo && pos - hl < item.hi;
-      if (wanted) {
-        if (!claim(state)) return EXPIRED;
-        map_claimed = true;
-      }
-      for (; pos < end;) {
-        const size_t m = std::min(kBlock, end - pos);
-        memcpy(block, map + pos, m);
-        UNITIO_XXH3_UPDATE(&hasher.state, block, m);
-        if (wanted) deliver(pos - hl, block, m);
-        pos += m;
-      }
-      if (wanted) {
-        stream_fence();
-        map_claimed = false;
-        release(state);
-      }
-    }
-    return OK;
-  }
-
-  // The whole unit from a mapping of the page cache (the caller saw it all cached), or
-  // kNotMapped (a MAC unit: its hash runs in Python; no SIGBUS guard; mmap refused). A
-  // SIGBUS (the file was truncated under us) makes the unit CORRUPT: a miss, never a load.
-  int mapped_unit() {
-    if (item.mac != nullptr || !sigbus_guarded()) return kNotMapped;
-    void* m = mmap(nullptr, total, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (m == MAP_FAILED) return kNotMapped;
-    if (hook.fn != nullptr) {  // tests: truncate or rewrite the unit now
-      char dir[80];
-      snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
-      if (!hook.call("map", dir, item.name, static_cast<long long>(total))) {
-        munmap(m, total);
-        return ERROR;
-      }
-    }
-    const auto* map = static_cast<const unsigned char*>(m);
-    MapGuard guard;
-    guard.lo = map, guard.hi = map + total;
-    map_claimed = false;
-    int status;
-    if (sigsetjmp(guard.env, 0) == 0) {  // SA_NODEFER: no signal mask to restore
-      t_guard = &guard;
-      status = mapped_blocks(map);
-    } else {
-      if (map_claimed) {
-        stream_fence();
-        map_claimed = false;
-        release(state);
-      }
-      status = fail(CORRUPT, "the unit shrank while it was read (SIGBUS)");
-    }
-    t_guard = nullptr;
-    munmap(m, total);
-    return status;
   }
 
   // Try one piece [pos, pos + n) from the page cache straight into the destination.
@@ -793,16 +669,10 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     hl = item.head.len;
     total = hl + item.payload_length();
     size_t pos = 0;
-    // All in the page cache (cachestat): one pass over a mapping of it.
-    const bool all_cached = opt.nowait && fully_cached(fd, total);
-    if (all_cached) {
-      int status = mapped_unit();
-      if (status != kNotMapped) return status == OK ? verdict() : status;
-    }
     // A failed RWF_NOWAIT read starts readahead: for buffered reads the head start they
     // need; before an O_DIRECT read the device would read the unit twice. So with
     // O_DIRECT, try the page cache only when cachestat() says it holds the whole unit.
-    bool cached = opt.nowait && (!opt.direct || all_cached);
+    bool cached = opt.nowait && (!opt.direct || fully_cached(fd, total));
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
       if (cached) {
