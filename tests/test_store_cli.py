@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -309,3 +310,33 @@ def test_names_and_paths_are_escaped_in_every_report_and_exact_in_json(tmp_path,
             assert sorted(report["evicted"]) == sorted(paths)
     code, out, _ = run(capsys, "stats", str(root))
     assert f"model={ESCAPED} rev={ESCAPED}" in out
+
+
+def test_a_description_nested_too_deep_is_a_bad_namespace_not_a_crash(root, capsys) -> None:
+    """json raises RecursionError (not ValueError) on a text nested past its depth: `store
+    stats|verify|gc` died with a traceback on such a namespace.json, and so did a hybrid
+    reader explaining a state miss. It is one namespace's problem, as any unreadable one."""
+    from canonical_ops.engine.hybrid import explain_state_miss
+    from canonical_ops.units.namespace import StateGeometry
+    from layouts import RankContext
+    from layouts.state import StateSpec
+
+    path = os.path.join(root, OTHER.hex, "namespace.json")
+    with open(path, "wb") as f:
+        f.write(b"[" * 200_000 + b"]" * 200_000)
+    code, out, err = run(capsys, "stats", str(root))
+    assert code == 0, err
+    assert "PROBLEM: " in out and "nested too deep to be a namespace description" in out
+    code, out, _ = run(capsys, "verify", str(root))
+    assert code == 1 and f"BAD {path}: " in out
+    assert "unreadable namespace description (nested too deep" in out
+    code, out, err = run(capsys, "gc", str(root), "--capacity", "0", "--dry-run")
+    assert code == 0, err
+    code, out, _ = run(capsys, "stats", str(root), "--json")
+    problems = [item["problem"] for item in json.loads(out)["namespaces"]]
+    assert sum("nested too deep" in (p or "") for p in problems) == 1
+    ctx = RankContext(1, 8, 0)
+    gdn = StateSpec.gdn(num_k_heads=2, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=4,
+                        conv_dtype="bfloat16", ssm_dtype="float32")  # fmt: skip
+    hybrid = dataclasses.replace(NS, states=(StateGeometry.from_spec(gdn, ctx),))
+    assert explain_state_miss(root, hybrid, ctx) is None

@@ -5,7 +5,6 @@ a StageCache moves them as it moves KV units."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from ..units.namespace import (
     StoreNamespace,
     is_namespace_hex,
 )
+from ..units.store_report import parse_namespace
 from .pages import PageManager
 from .region import RegionTopologyError, RowArea, SharedOffloadRegion
 
@@ -303,7 +303,7 @@ def _read_namespace(top: int, entry: str, perms: fsutil.Perms) -> StoreNamespace
         fd, st = fsutil.open_file(directory, "namespace.json")
         if st.st_uid != os.geteuid() or st.st_size > _MAX_NAMESPACE_FILE:
             return None
-        described = StoreNamespace.from_description(json.loads(os.read(fd, _MAX_NAMESPACE_FILE)))
+        described = parse_namespace(os.read(fd, _MAX_NAMESPACE_FILE), _MAX_NAMESPACE_FILE)
         return described if described.hex == entry else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None

@@ -19,6 +19,7 @@ from .namespace import StoreNamespace
 
 __all__ = [
     "MAX_DESCRIPTION",
+    "parse_namespace",
     "print_error",
     "print_gc",
     "print_stats",
@@ -30,6 +31,18 @@ __all__ = [
 MAX_DESCRIPTION = 16 << 20  # a namespace description is a few KiB; bound what is read
 
 
+def parse_namespace(raw: Any, limit: int = MAX_DESCRIPTION) -> StoreNamespace:
+    """The namespace a stored description (bytes of at most ``limit``) describes; ValueError
+    for anything else, a JSON text nested past the parser's depth included (json raises
+    RecursionError there: a store CLI or a reader must report it, not die on it)."""
+    if not isinstance(raw, bytes) or len(raw) > limit:
+        raise ValueError(f"expected a JSON text of at most {limit} bytes")
+    try:
+        return StoreNamespace.from_description(json.loads(raw))
+    except RecursionError:
+        raise ValueError("nested too deep to be a namespace description") from None
+
+
 def read_namespace(raw: Any, digest_hex: str, owner: str) -> tuple[StoreNamespace | None, str]:
     """The namespace a stored description (bytes, or the error reading it) describes and
     its problem. Never trusted: it must be the namespace its ``owner`` (directory, key)
@@ -37,9 +50,7 @@ def read_namespace(raw: Any, digest_hex: str, owner: str) -> tuple[StoreNamespac
     try:
         if isinstance(raw, Exception):
             raise ValueError(raw)
-        if not isinstance(raw, bytes) or len(raw) > MAX_DESCRIPTION:
-            raise ValueError(f"expected a JSON text of at most {MAX_DESCRIPTION} bytes")
-        namespace = StoreNamespace.from_description(json.loads(raw))
+        namespace = parse_namespace(raw)
     except (ValueError, UnicodeDecodeError) as error:
         return None, f"unreadable namespace description ({error})"
     if not namespace.hex.startswith(digest_hex):
