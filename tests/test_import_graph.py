@@ -9,7 +9,10 @@ do (they run on first use)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -68,7 +71,10 @@ def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif not _type_checking_only(node):
+        elif _type_checking_only(node):  # its body never runs; an ``else:`` always does
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]))
+        else:
             yield from _imports(node)
 
 
@@ -202,3 +208,66 @@ def test_the_checks_find_what_they_forbid(tmp_path, monkeypatch) -> None:
         assert "canonical_ops.units.a <-> canonical_ops.units.b" in str(error)
     else:
         raise AssertionError("test_no_import_cycle passed a tree with a cycle")
+
+
+# Lazy re-exports (``_lazy.lazy_exports``) are imports too, run on first access of a name: a
+# child process records every package's map as the package is imported (nothing of this
+# test process is re-imported).
+_RECORD_LAZY = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("canonical_ops._lazy", sys.argv[1])
+lazy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lazy)
+found, real = [], lazy.lazy_exports
+def recording(package, namespace, exports):
+    found.extend((package, module) for module in sorted(set(exports.values())))
+    return real(package, namespace, exports)
+lazy.lazy_exports = recording
+sys.modules["canonical_ops._lazy"] = lazy
+for name in sys.argv[2:]:
+    __import__(name)
+print(json.dumps(found))
+"""
+
+
+def lazy_imports(packages: list[str]) -> list[tuple[str, str]]:
+    """``(package, module it re-exports from)`` for every lazy map of ``packages``."""
+    lazy = os.path.join(REPO, "canonical_ops", "_lazy.py")
+    argv = [sys.executable, "-c", _RECORD_LAZY, lazy, *packages]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [
+        (package, importlib.util.resolve_name(module, package))
+        for package, module in json.loads(done.stdout)
+    ]
+
+
+def test_lazy_re_exports_run_one_way() -> None:
+    """``engine/__init__`` maps names to ``..units``, ``frontend`` to ``..engine``: a map from
+    a lower layer to a higher one (or to the face) is an upward import run on first use."""
+    found = modules()
+    packages = sorted(name for name, (_, is_package) in found.items() if is_package)
+    lazy = lazy_imports([p for p in packages if not p.startswith("canonical_ops.vllm.")])
+    assert ("canonical_ops.engine", "canonical_ops.units") in lazy  # the recorder sees them
+    bad = [
+        f"{package} re-exports lazily from {target} ({LAYER_NAMES[layer(target)]})"
+        for package, target in lazy
+        if layer(target) > layer(package) or (package != FACE and target == FACE)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_an_import_in_the_else_of_type_checking_counts(tmp_path, monkeypatch) -> None:
+    """``if TYPE_CHECKING: ... else: from ..engine import x``: the ``else`` runs; the check
+    used to skip the whole ``if``."""
+    package = tmp_path / "canonical_ops"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text("")
+    (package / "ops.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import engine\n"
+        "else:\n    from .engine import x\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    edges = {(i, t, line) for i, t, _, line in imports(modules())}
+    assert edges == {("canonical_ops.ops", "canonical_ops.engine", 5)}
