@@ -3,19 +3,22 @@
 :class:`StageCache` drives unit stores (FileStore, RedisStore), a region row being exactly the
 stage's unit: one batch job per tier and call, nothing waits unless given a timeout, a fill is
 ready only once its unit was verified (a bad one is a miss), a failing tier is counted and
-skipped. One scheduler thread drives it."""
+skipped. Units of other token counts (another engine's) are read across (``units.across``):
+split or joined into the stage's unit, each source unit verified. One scheduler thread drives
+it."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..checks import check_int, check_seconds, check_type
+from ..units.across import UnitsAcross, readable_across
 from ..units.jobs import IOJob
 from ..units.namespace import StoreNamespace
 from ..units.tier import LoadItem, StoreItem
@@ -139,7 +142,7 @@ class _Op:  # one block's part of a submitted fill or store
     block_hash: Hashable
     page: int
     generation: int
-    position: int = 0
+    position: int = 0  # the block's index in its sequence
 
 
 @dataclass
@@ -148,11 +151,15 @@ class _Flight:  # a submitted batch job and its blocks (none: a lookup nobody wa
     tier: int
     job: IOJob
     ops: list[_Op]
+    sources: list[int] | None = None  # a fill read across: the source units it loads
+    scratch: np.ndarray | None = None  # ... into these rows, one each
 
 
 @dataclass
 class _Search:  # a lookup past the region: blocks found so far, this round's jobs
     keys: tuple[Hashable, ...]
+    offset: int = 0  # the index of keys[0] in its sequence
+    across: Mapping[int, tuple[Hashable, ...]] = dataclasses.field(default_factory=dict)
     position: int = 0
     sources: list[int] = dataclasses.field(default_factory=list)
     jobs: list[IOJob | None] | None = None
@@ -164,7 +171,11 @@ class StageCache:
     in CPU memory, row ``p`` holding page ``p``; a :class:`SharedOffloadRegion` is claimed
     (``unit_row_claim``): units whose opaque layers another topology's workers would read
     raise ``RegionTopologyError``. ``namespace``: built from ALL layers of the
-    model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here."""
+    model, the same in every tier. ``tiers``: unit stores, nearest first, never closed here.
+    ``across``: {tokens per unit: unit stores, nearest first} of other engines' units read
+    across when no tier holds a block (``namespace`` shared, a multiple or divisor of its
+    tokens; another size is one warning line and not read); lookups and fetches then take the
+    same prefix's keys in those units (``across_keys``)."""
 
     def __init__(
         self,
@@ -175,6 +186,7 @@ class StageCache:
         tiers: Sequence[Any] = (),
         *,
         names: Sequence[str] | None = None,
+        across: Mapping[int, Sequence[Any]] | None = None,
     ) -> None:
         check_type("manager", manager, PageManager)
         check_type("namespace", namespace, StoreNamespace)
@@ -203,6 +215,13 @@ class StageCache:
                 raise ValueError(
                     f"names: expected {len(self.tiers)} distinct non-empty names, got {names!r}"
                 )
+        # Every store a job goes to: the tiers, then the stores read across (and how).
+        self._stores = list(self.tiers)
+        self._across: list[UnitsAcross | None] = [None] * len(self.tiers)
+        self._across_sizes: set[int] = set()  # sizes read across; the refused ones are:
+        self._refused_sizes: set[int] = set()
+        if across is not None:
+            self._add_across(across)
         self.rows: np.ndarray | None = self._rows(region)
         if isinstance(region, SharedOffloadRegion):  # its units' opaque layers claim the rows
             try:
@@ -211,13 +230,84 @@ class StageCache:
                 raise RegionTopologyError(f"region: {error}") from None
         self._filler = f"stage[{first},{end})"
         fields = [f.name for f in dataclasses.fields(TierCounters)][1:]  # all but the name
-        self._counts = [{**dict.fromkeys(fields, 0), "last_error": ""} for _ in self.tiers]
+        self._counts = [{**dict.fromkeys(fields, 0), "last_error": ""} for _ in self._stores]
         # Blocks looked up, then of those: found in the region, in the tiers, missed.
         self._lookup_counts = np.zeros(4, dtype=np.int64)
         self._flights: list[_Flight] = []
         self._searches: dict[tuple[Hashable, ...], _Search] = {}
         # page -> (generation, tier) of pages filled from a tier: never stored back there.
         self._origin: dict[int, tuple[int, int]] = {}
+
+    def _add_across(self, across: Any) -> None:
+        if not isinstance(across, Mapping):
+            raise TypeError(
+                f"across: expected {{tokens per unit: unit stores}}, got {type(across).__name__}"
+            )
+        for tokens, stores in across.items():
+            check_int("across: tokens per unit", tokens, minimum=1)
+            if tokens == self.namespace.unit_tokens:
+                raise ValueError(
+                    f"across: {tokens} tokens is this stage's own unit size; pass its stores "
+                    "as tiers"
+                )
+            if isinstance(stores, (str, bytes)) or not isinstance(stores, Sequence):
+                raise TypeError(f"across[{tokens}]: expected a sequence of unit stores")
+        readable = {units.tokens: units for units in readable_across(self.namespace, across)}
+        for tokens, stores in across.items():
+            units = readable.get(tokens)
+            if units is None:  # the line saying why was logged
+                self._refused_sizes.add(tokens)
+                continue
+            self._across_sizes.add(tokens)
+            for i, store in enumerate(stores):
+                missing = [m for m in _TIER_METHODS if not callable(getattr(store, m, None))]
+                if missing:
+                    raise TypeError(
+                        f"across[{tokens}][{i}]: expected a unit store, lacks {missing}"
+                    )
+                theirs = getattr(store, "namespace", None)
+                if (
+                    not isinstance(theirs, StoreNamespace)
+                    or theirs.digest != units.namespace.digest
+                ):
+                    got = theirs.hex[:16] + "..." if isinstance(theirs, StoreNamespace) else theirs
+                    raise ValueError(
+                        f"across[{tokens}][{i}]: expected a store of namespace "
+                        f"{units.namespace.hex[:16]}... (the stage's in units of {tokens} "
+                        f"tokens), got {got!r}"
+                    )
+                self._stores.append(store)
+                self._across.append(units)
+                self.names.append(f"across{tokens}:{i}:{type(store).__name__}")
+
+    def _across_keys(self, across_keys: Any) -> dict[int, tuple[Hashable, ...]]:
+        """``across_keys`` checked: {tokens: keys} of the sizes read across."""
+        if across_keys is None:
+            return {}
+        if not isinstance(across_keys, Mapping):
+            raise TypeError(
+                f"across_keys: expected {{tokens per unit: keys}}, got {type(across_keys).__name__}"
+            )
+        out = {}
+        for tokens, keys in across_keys.items():
+            if tokens in self._across_sizes:
+                out[tokens] = tuple(self._hashes(keys, f"across_keys[{tokens}]"))
+            elif tokens not in self._refused_sizes:  # a refused size: its line was logged
+                raise ValueError(
+                    f"across_keys: expected keys of the sizes given as across "
+                    f"{sorted(self._across_sizes | self._refused_sizes)}, got {tokens!r}"
+                )
+        return dict(sorted(out.items()))
+
+    def _source_keys(self, store: int, search: _Search, unit: int) -> tuple[Hashable, ...]:
+        """What store ``store`` is asked for, from block ``unit`` of the search's sequence on:
+        the blocks' keys (a tier), or the keys of the source units from the first one that
+        block ``unit`` is made of (read across)."""
+        units = self._across[store]
+        if units is None:
+            return search.keys[unit - search.offset :]
+        keys = search.across.get(units.tokens, ())
+        return keys[units.sources(unit).start :]
 
     def _rows(self, region: Any) -> np.ndarray:
         tensor = getattr(region, "tensor", region)
@@ -235,15 +325,15 @@ class StageCache:
         return np.frombuffer(flat, dtype=np.uint8).reshape(expected)
 
     @staticmethod
-    def _hashes(hashes: Any) -> list[Hashable]:
+    def _hashes(hashes: Any, name: str = "hashes") -> list[Hashable]:
         if isinstance(hashes, (str, bytes, bytearray, memoryview, int)):
-            raise TypeError("hashes: expected a sequence of block hashes, got a single one")
+            raise TypeError(f"{name}: expected a sequence of block hashes, got a single one")
         out = list(hashes)
         for i, h in enumerate(out):
             try:
                 normalize_key(h)
             except (TypeError, ValueError) as error:
-                raise type(error)(f"hashes[{i}]: {error}") from None
+                raise type(error)(f"{name}[{i}]: {error}") from None
         return out
 
     def _failed(self, tier: int, what: str) -> None:
@@ -261,20 +351,30 @@ class StageCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, hashes: Sequence[Hashable], *, timeout: float | None = 0.0) -> TierLookup:
+    def lookup(
+        self,
+        hashes: Sequence[Hashable],
+        *,
+        timeout: float | None = 0.0,
+        across_keys: Mapping[int, Sequence[Hashable]] | None = None,
+    ) -> TierLookup:
         """Leading blocks ready in the region, then how many more the tiers hold (each round asks
         every tier, the nearest holding the next block supplies its run, a failing tier holds
-        nothing). ``pending`` until they answered (``timeout``: seconds, None: until then)."""
+        nothing; then the stores read across, with ``across_keys``: {tokens: keys of the same
+        sequence in units of that many tokens, first first}). ``pending`` until they answered
+        (``timeout``: seconds, None: until then)."""
         self._check_open()
         hashes = self._hashes(hashes)
+        across = self._across_keys(across_keys)
         deadline = self._deadline(timeout)
         in_region = self.manager.lookup(hashes)
         rest = tuple(hashes[in_region:])
         sources: list[int] = []
-        if rest and self.tiers:
-            search = self._searches.pop(rest, None) or _Search(rest)
+        if rest and self._stores:
+            key = (rest, in_region, tuple(across.items())) if across else rest
+            search = self._searches.pop(key, None) or _Search(rest, in_region, across)
             if not self._advance(search, deadline):
-                self._searches[rest] = search  # most recent last
+                self._searches[key] = search  # most recent last
                 while len(self._searches) > _MAX_SEARCHES:
                     self._drop(self._searches.pop(next(iter(self._searches))))
                 return TierLookup(in_region, 0, (), pending=True)
@@ -286,15 +386,17 @@ class StageCache:
     def _advance(self, search: _Search, deadline: float | None) -> bool:
         """Move ``search`` on as far as the tiers answered; True once complete."""
         while search.position < len(search.keys):
-            rest = search.keys[search.position :]
+            left, unit = len(search.keys) - search.position, search.offset + search.position
             if search.jobs is None:
                 search.jobs = []
-                for t, tier in enumerate(self.tiers):
+                for t, store in enumerate(self._stores):
+                    keys = self._source_keys(t, search, unit)
                     try:
-                        search.jobs.append(tier.submit_lookup(rest, self.first, self.end))
+                        job = store.submit_lookup(keys, self.first, self.end) if keys else None
                     except Exception as error:  # a failing tier holds nothing
                         self._failed(t, f"{type(error).__name__}: {error}")
-                        search.jobs.append(None)
+                        job = None
+                    search.jobs.append(job)
             for t, job in enumerate(search.jobs):
                 if job is None:
                     continue
@@ -303,7 +405,11 @@ class StageCache:
                 search.jobs[t] = None
                 if job.status in ("error", "expired"):
                     self._failed(t, f"lookup {job.status}: {job.detail}")
-                found = min(int(job.value or 0), len(rest)) if job.status == "ok" else 0
+                asked = len(self._source_keys(t, search, unit))
+                found = min(int(job.value or 0), asked) if job.status == "ok" else 0
+                if self._across[t] is not None:  # source units -> the blocks made of them
+                    found = self._across[t].covered(unit, found, left)
+                found = min(found, left)
                 if found > 0:
                     self._drop(search)  # the farther tiers' answers are not needed
                     self._counts[t]["lookup_hit_blocks"] += found
@@ -320,7 +426,7 @@ class StageCache:
             return False
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self.tiers[tier].wait(job, remaining if not job.done else 0)
+            self._stores[tier].wait(job, remaining if not job.done else 0)
         except TimeoutError:
             return False
         return True
@@ -340,31 +446,45 @@ class StageCache:
         found: TierLookup | None = None,
         *,
         timeout: float | None = 0.0,
+        across_keys: Mapping[int, Sequence[Hashable]] | None = None,
     ) -> FetchResult:
         """Fill region pages from the tiers for the blocks ``found`` (default: :meth:`lookup`
         now) says only they hold, as many leading ones as the region can take; the pages turn
-        ready (or free, on a miss) in :meth:`poll`."""
+        ready (or free, on a miss) in :meth:`poll`. ``across_keys``: as given to the lookup
+        (blocks found across are filled from their source units, split or joined)."""
         self._check_open()
         hashes = self._hashes(hashes)
+        across = self._across_keys(across_keys)
         if found is None:
-            found = self.lookup(hashes, timeout=timeout)
+            found = self.lookup(hashes, timeout=timeout, across_keys=across)
         else:
             check_type("found", found, TierLookup)
         if found.total > len(hashes):
             raise ValueError(
                 f"found: covers {found.total} blocks, more than the {len(hashes)} hashes given"
             )
+        for i, source in enumerate(found.sources):
+            units = self._across[source] if 0 <= source < len(self._stores) else False
+            if units is False:
+                raise ValueError(f"found: sources[{i}] is {source}, not a store of this cache")
+            unit = found.in_region + i
+            if units is not None and len(across.get(units.tokens, ())) < units.sources(unit).stop:
+                raise ValueError(
+                    f"across_keys: expected the keys of the {units.tokens}-token units block "
+                    f"{unit} is made of (the across_keys given to the lookup), got "
+                    f"{len(across.get(units.tokens, ()))} keys"
+                )
         targets = hashes[found.in_region : found.total]
         pages = self._allocate_fills(targets)
         present = 0
         by_tier: dict[int, list[_Op]] = {}
-        for block_hash, page, source in zip(targets, pages, found.sources):
+        for i, (block_hash, page, source) in enumerate(zip(targets, pages, found.sources)):
             if page is None:  # present (stored or filled) already, or no page to spare now
                 present += self.manager.page_of(block_hash) is not None
                 continue
-            op = _Op(block_hash, page, self.manager.generation(page))
+            op = _Op(block_hash, page, self.manager.generation(page), found.in_region + i)
             by_tier.setdefault(source, []).append(op)
-        placed = {op.page for op in self._submit("fill", by_tier)}
+        placed = {op.page for op in self._submit("fill", by_tier, across)}
         refused = len(targets) - present - len(placed)  # no page to spare, or the tier refused
         out = tuple(p if p in placed else None for p in pages)
         return FetchResult(len(placed), present, refused, out)
@@ -381,16 +501,28 @@ class StageCache:
             return pages + [None] * (len(targets) - count)
         return [None] * len(targets)
 
-    def _submit(self, kind: str, by_tier: dict[int, list[_Op]]) -> list[_Op]:
-        """One batch job per tier of its ops' rows; the ops submitted. Those of a refused job
-        or a raising tier are undone (fills freed, store pins dropped)."""
+    def _submit(
+        self, kind: str, by_tier: dict[int, list[_Op]], across: Mapping | None = None
+    ) -> list[_Op]:
+        """One batch job per tier of its ops' rows (a store read across: of their source units,
+        keys in ``across``, into scratch rows); the ops submitted. Those of a refused job or a
+        raising tier are undone (fills freed, store pins dropped)."""
         rows, first, end = self.rows, self.first, self.end
         submitted: list[_Op] = []
         for tier, ops in by_tier.items():
             counts = self._counts[tier]
             counts[f"{kind}s_submitted"] += len(ops)
+            units, sources, scratch = self._across[tier], None, None
             try:
-                if kind == "fill":
+                if units is not None:  # fills only: nothing is stored across
+                    sources = sorted({s for op in ops for s in units.sources(op.position)})
+                    scratch = np.empty((len(sources), units.source_bytes(first, end)), np.uint8)
+                    keys = across[units.tokens]
+                    items = [
+                        LoadItem(keys[s], first, end, scratch[i]) for i, s in enumerate(sources)
+                    ]
+                    job = self._stores[tier].submit_loads(items)
+                elif kind == "fill":
                     items = [LoadItem(o.block_hash, first, end, rows[o.page]) for o in ops]
                     job = self.tiers[tier].submit_loads(items)
                 else:
@@ -402,7 +534,7 @@ class StageCache:
                 self._failed(tier, f"{type(error).__name__}: {error}")
                 job = None
             if job is not None and not job.refused:
-                self._flights.append(_Flight(kind, tier, job, ops))
+                self._flights.append(_Flight(kind, tier, job, ops, sources, scratch))
                 submitted += ops
                 continue
             counts[f"{kind}s_refused"] += len(ops)
@@ -453,12 +585,12 @@ class StageCache:
             generation = self.manager.generation(page)
             origin = self._origin.get(page)
             source = origin[1] if origin is not None and origin[0] == generation else None
-            if nearer_only:
-                targets = range(source if source is not None else 0)
+            if nearer_only:  # a block read across: every tier is nearer
+                targets = range(min(source, len(self.tiers)) if source is not None else 0)
                 skipped += len(self.tiers) - len(targets)
             else:
                 targets = [t for t in range(len(self.tiers)) if t != source]
-                skipped += source is not None
+                skipped += source is not None and source < len(self.tiers)
             for t in targets:
                 try:
                     self.manager.acquire([block_hash])  # pinned while the tier reads the row
@@ -484,7 +616,7 @@ class StageCache:
                 still.append(flight)
                 continue
             # Collected from the tier's pool by its own waiter (pools may be shared).
-            self.tiers[flight.tier].wait(flight.job, 0)
+            self._stores[flight.tier].wait(flight.job, 0)
             events += self._finish(flight, unpin)
         self._flights = still
         if unpin:  # one release: a prefix's pages equally recent, its tail evicted first
@@ -493,7 +625,9 @@ class StageCache:
 
     def _finish(self, flight: _Flight, unpin: list[_Op]) -> list[TierEvent]:
         job, kind, counts = flight.job, flight.kind, self._counts[flight.tier]
-        if isinstance(job.value, list) and len(job.value) == len(flight.ops):
+        if flight.sources is not None:
+            outcomes = self._built(flight)
+        elif isinstance(job.value, list) and len(job.value) == len(flight.ops):
             outcomes = [(o.status, o.detail, o.nbytes) for o in job.value]
         else:  # the whole job failed (expired, error) before per-item outcomes existed
             outcomes = [("error" if job.ok else job.status, job.detail, 0)] * len(flight.ops)
@@ -515,6 +649,28 @@ class StageCache:
             name = self.names[flight.tier]
             events.append(TierEvent(kind, op.block_hash, op.page, name, status, detail))
         return events
+
+    def _built(self, flight: _Flight) -> list[tuple[str, str, int]]:
+        """A fill read across: each block's page written from its verified source units
+        (``UnitsAcross.build``), or the status of its first source not loaded."""
+        job, units = flight.job, self._across[flight.tier]
+        if isinstance(job.value, list) and len(job.value) == len(flight.sources):
+            status = {s: (o.status, o.detail) for s, o in zip(flight.sources, job.value)}
+        else:  # the whole job failed
+            status = dict.fromkeys(flight.sources, ("error" if job.ok else job.status, job.detail))
+        loaded = {
+            s: flight.scratch[i] for i, s in enumerate(flight.sources) if status[s][0] == "ok"
+        }
+        blocks = [op.position for op in flight.ops]
+        out = []
+        for op, payload in zip(flight.ops, units.build(loaded, blocks, self.first, self.end)):
+            if payload is None:
+                failed = [status[s] for s in units.sources(op.position) if status[s][0] != "ok"]
+                out.append((*failed[0], 0))
+                continue
+            self.rows[op.page] = payload
+            out.append(("ok", "", self.row_bytes))
+        return out
 
     @property
     def in_flight(self) -> int:
