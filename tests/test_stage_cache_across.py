@@ -335,3 +335,19 @@ def test_units_across_arithmetic_and_namespace():
     assert small.covered(0, 5, 10) == 2 and small.covered(3, 1, 10) == 0
     with pytest.raises(ValueError, match="neither a multiple nor a divisor"):
         UnitsAcross.of(namespace(UNIT), 24)
+
+
+def test_a_fetch_needs_the_keys_its_lookup_was_given(tmp_path):
+    with FileStore(tmp_path, namespace(32), fsync=False) as theirs:
+        store_units(theirs, 32, 4)
+        reader = Reader([], {32: [theirs]})
+        found = reader.cache.lookup(KEYS, timeout=30, across_keys=across_keys(32))
+        assert found.total == BLOCKS
+        for keys in (None, {32: across_keys(32)[32][:3]}):
+            with pytest.raises(ValueError, match="across_keys: expected the keys of the 32-token"):
+                reader.cache.fetch(KEYS, found, across_keys=keys)
+        with pytest.raises(ValueError, match=r"found: sources\[0\] is 5, not a store"):
+            reader.cache.fetch(KEYS, TierLookup(0, 1, (5,)))
+        assert reader.manager.num_filling == 0  # nothing allocated by a refused fetch
+        with pytest.raises(TypeError, match=r"across_keys\[32\]: expected a sequence"):
+            reader.cache.lookup(KEYS, across_keys={32: KEYS[0]})
