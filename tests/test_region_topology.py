@@ -601,3 +601,19 @@ def test_two_threads_claiming_at_once_see_each_other(regions: Any, monkeypatch: 
     for thread in threads:
         thread.join(10)
     assert sorted(error is None for error in outcomes.values()) == [False, True], outcomes
+
+
+def test_every_rank_of_a_model_alternating_opaque_and_certified_layers_is_admitted(
+    regions: Any,
+) -> None:
+    """Same-topology canonical areas are checked against the opaque ranges now: joined
+    ranges (past MAX_RANGES) would swallow the certified layers between them and refuse the
+    writers' own ranks. 100 layers alternating fit the tables; ranks 1..3 claim as rank 0."""
+    region = regions(1, 10_000).rank0
+    areas = [RowArea(f"layer {i}", 100 * i, 100 * (i + 1), "opaque" if i % 2 else None)
+             for i in range(100)]  # fmt: skip
+    for _ in range(4):
+        region.claim_rows((4, 1, 1, 1), areas)
+    region.claim_rows((2, 1, 1, 1), [RowArea("layer 98", 9_800, 9_900)])  # certified: crosses
+    with pytest.raises(RegionTopologyError, match=r"layer 99 \(bytes \[9900, 10000\]"):
+        region.claim_rows((2, 1, 1, 1), [RowArea("layer 99", 9_900, 10_000)])
