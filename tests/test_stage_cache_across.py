@@ -23,7 +23,7 @@ from helpers.store import unit_files
 from canonical_ops.engine import PageManager
 from canonical_ops.engine.cache import StageCache, TierLookup
 from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
-from canonical_ops.units.across import UnitsAcross
+from canonical_ops.units.across import UnitsAcross, keys_by_size
 from canonical_ops.units.files import key_digest
 from canonical_ops.units.token_keys import TokenKeyScheme
 from layouts import LayerSpec, RankContext
@@ -75,7 +75,7 @@ def store_units(store, tokens: int, count: int, layout=("split", "NHD")) -> list
 
 
 def across_keys(*sizes: int) -> dict[int, list[bytes]]:
-    return {tokens: SCHEME.unit_keys(PROMPT, tokens) for tokens in sizes}
+    return keys_by_size(SCHEME, PROMPT, sizes)
 
 
 KEYS = SCHEME.unit_keys(PROMPT, UNIT)
@@ -351,3 +351,10 @@ def test_a_fetch_needs_the_keys_its_lookup_was_given(tmp_path):
         assert reader.manager.num_filling == 0  # nothing allocated by a refused fetch
         with pytest.raises(TypeError, match=r"across_keys\[32\]: expected a sequence"):
             reader.cache.lookup(KEYS, across_keys={32: KEYS[0]})
+
+
+def test_keys_by_size_are_each_sizes_unit_keys():
+    got = keys_by_size(SCHEME, PROMPT, [16, 32, 8, 16])
+    assert got == {t: SCHEME.unit_keys(PROMPT, t) for t in (16, 32, 8)}
+    with pytest.raises(ValueError, match="hash_block_tokens 8, got 12"):
+        keys_by_size(SCHEME, PROMPT, [12])

@@ -28,7 +28,7 @@ from ..checks import check_int, check_type
 from .namespace import StoreNamespace
 from .token_keys import TokenKeyScheme
 
-__all__ = ["UnitsAcross", "readable_across"]
+__all__ = ["UnitsAcross", "keys_by_size", "readable_across"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,4 +148,19 @@ def readable_across(own: StoreNamespace, sizes: Iterable[int]) -> list[UnitsAcro
             out.append(UnitsAcross.of(own, tokens))
         except ValueError as error:
             logger.warning("canonical-kv: not reading units of %d tokens: %s", tokens, error)
+    return out
+
+
+def keys_by_size(
+    scheme: TokenKeyScheme, token_ids: Sequence[int], sizes: Iterable[int]
+) -> dict[int, list[bytes]]:
+    """{tokens: ``scheme.unit_keys(token_ids, tokens)``} for each of ``sizes``, from one pass
+    of block hashes (what a StageCache's ``across_keys`` takes, its own size included)."""
+    check_type("scheme", scheme, TokenKeyScheme)
+    sizes = [scheme.check_unit_tokens(tokens) for tokens in dict.fromkeys(sizes)]
+    hashes = scheme.block_hashes(token_ids)
+    out = {}
+    for tokens in sizes:
+        per_unit = tokens // scheme.hash_block_tokens
+        out[tokens] = [scheme.unit_key(h) for h in hashes[per_unit - 1 :: per_unit]]
     return out
