@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from layouts.cli import CliParser, int_in, lower
@@ -72,6 +73,7 @@ def run(args) -> Outcome:
     if args.load is None and args.write is None:
         raise ValueError(f"{args.engine}: expected --load N, --write A:B or both")
     module, what, venv = _NEEDS[args.engine]
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up INFO lines: noise here
     try:
         importlib.import_module(module)
     except ImportError as error:

@@ -11,6 +11,7 @@ nothing between ranks but the store and the staging directory).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -100,14 +101,13 @@ def run_sglang(args) -> Outcome:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     units = max(args.write[1] if args.write else 0, args.load or 0)
-    cfg, page = demo_config(args, units, args.tp), None
-    page = cfg.block_size
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="canonical-kv-sglang-"))
-    ranks: list[SglangRank] = []
-    outcome = Outcome()
-    try:
+    cfg = demo_config(args, units, args.tp)
+    page, ranks, outcome = cfg.block_size, [], Outcome()
+    with contextlib.ExitStack() as scratch:
+        work = args.work_dir or scratch.enter_context(tempfile.TemporaryDirectory())
         for rank in range(args.tp):
-            ranks.append(SglangRank(args, cfg, rank, 2 * units * page, work / "staging"))
+            ranks.append(SglangRank(args, cfg, rank, 2 * units * page, Path(work) / "staging"))
+            scratch.callback(ranks[-1].close)
         namespace = ranks[0].backend.core.namespace
         ok = namespace.key_scheme and namespace.hex == cfg.namespace("writer").hex
         outcome.note = (
@@ -141,7 +141,4 @@ def run_sglang(args) -> Outcome:
             if ok:
                 found = ranks[0].backend.batch_exists(keys[: span.stop])
                 outcome.stored = max(0, found - span.start)
-    finally:
-        for r in ranks:
-            r.close()
     return outcome

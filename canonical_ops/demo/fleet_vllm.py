@@ -11,6 +11,7 @@ are vLLM's own: ``init_none_hash`` and ``hash_block_tokens`` of the prompt's tok
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -51,7 +52,6 @@ class VllmEngine:
     """One vLLM engine: the scheduler connector and ``tp`` worker connectors (their KV)."""
 
     def __init__(self, args, cfg, num_blocks: int, work: Path) -> None:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import torch
         import vllm.plugins
         from vllm.config import (
@@ -227,14 +227,14 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM's lookups unresolved after {_SETTLE_S:.0f} s")
             time.sleep(0.005)
         hits = next((i for i, r in enumerate(results) if r is not LookupResult.HIT), len(keys))
+        loaded = True
         with self.manager.lock:
             if hits:
                 spec = self.manager.prepare_load(keys[:hits], ctx)
-                if not self._run(False, spec.chunk_ids, list(range(into, into + hits))):
-                    hits = 0
-                self.manager.complete_load(keys[:hits] if hits else keys[:0], ctx)
+                loaded = self._run(False, spec.chunk_ids, list(range(into, into + hits)))
+                self.manager.complete_load(keys[:hits], ctx)
             self.manager.on_request_finished(ctx)
-        return hits
+        return hits if loaded else 0
 
     def shutdown(self) -> None:
         for connector in self.workers:
@@ -272,32 +272,31 @@ def run_vllm(args) -> Outcome:
     them; ``--load N``: a fresh engine, empty KV, loads the first N units and checks them."""
     units = max(args.write[1] if args.write else 0, args.load or 0)
     cfg = demo_config(args, units, args.tp)
-    tokens = truth.prompt_tokens(cfg)
-    load = args.load or 0
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="canonical-kv-vllm-"))
-    engine = VllmEngine(args, cfg, units + load + 1, work)
-    outcome = Outcome()
-    try:
-        keys = vllm_keys(engine, tokens)
+    load, outcome = args.load or 0, Outcome()
+    with contextlib.ExitStack() as scratch:
+        work = args.work_dir or scratch.enter_context(tempfile.TemporaryDirectory())
+        engine = VllmEngine(args, cfg, units + load + 1, Path(work))
+        scratch.callback(engine.shutdown)
+        keys = vllm_keys(engine, truth.prompt_tokens(cfg))
         with engine.manager.lock:
             engine._step()  # the tier checks vLLM's NONE_HASH once the engine core set it
         ns = engine.tier.namespace
-        if not ns.key_scheme or ns.hex != cfg.namespace("writer").hex:
-            outcome.note = f"NOT SHARED: the tier's namespace is {ns.hex[:16]}, not the fleet's"
-        else:
-            outcome.note = f"namespace {ns.hex[:16]}, keys vLLM's own block hashes"
+        shared = bool(ns.key_scheme) and ns.hex == cfg.namespace("writer").hex
+        outcome.note = (
+            f"namespace {ns.hex[:16]}, keys vLLM's own block hashes"
+            if shared
+            else f"NOT SHARED: the tier's namespace is {ns.hex[:16]}, not the fleet's"
+        )
         if args.write:
             span = range(*args.write)
             outcome.store_asked = len(span)
             engine.fill(span)
-            if engine.store(keys, span) and not outcome.note.startswith("NOT"):
-                found = _units_in_store(args, engine.tier.namespace, keys[: span.stop])
+            if engine.store(keys, span) and shared:
+                found = _units_in_store(args, ns, keys[: span.stop])
                 outcome.stored = max(0, found - span.start)
         if load:
             outcome.load_asked = load
             outcome.loaded = engine.load(keys[:load], into=units + 1)
             wrong, checked = engine.compare(units + 1, outcome.loaded)
             outcome.bytes_wrong, outcome.bytes_checked = wrong, checked
-    finally:
-        engine.shutdown()
     return outcome
