@@ -115,7 +115,7 @@ FLEET = -m canonical_ops.demo.fleet $(FLEET_ARGS)
 demo-engines: install
 	@log="$${TMPDIR:-/tmp}/canonical-kv-engines-build.log"; \
 	if ! $(MAKE) --no-print-directory -q $(VLLM_STAGE)/.installed $(SGLANG_STAGE)/.installed 2>/dev/null; then \
-	  echo; echo "== building .venv-vllm and .venv-sglang for the engines phase (first time: several minutes; log: $$log)"; \
+	  echo; echo "== building .venv-vllm and .venv-sglang for the engines phase (first time, or kernels/ or setup.py changed: minutes; log: $$log)"; \
 	  $(MAKE) --no-print-directory $(VLLM_STAGE)/.installed $(SGLANG_STAGE)/.installed >"$$log" 2>&1 || { \
 	    echo "== one prefix, every engine: NOT RUN: building vLLM's or SGLang's venv failed (see $$log)"; exit 1; }; fi
 	@$(vllm_stage_sources)
