@@ -340,3 +340,18 @@ def test_a_description_nested_too_deep_is_a_bad_namespace_not_a_crash(root, caps
                         conv_dtype="bfloat16", ssm_dtype="float32")  # fmt: skip
     hybrid = dataclasses.replace(NS, states=(StateGeometry.from_spec(gdn, ctx),))
     assert explain_state_miss(root, hybrid, ctx) is None
+
+
+def test_verify_of_a_namespace_directory_not_named_by_its_digest_lists_it_bad(root, capsys) -> None:
+    """A namespace directory copied or renamed (here with a newline in the name) and given as
+    TARGET: `verify` stopped at its name (exit 2, "non-hexadecimal number found in
+    fromhex()"); it reports the namespace and each unit bad, one escaped line each."""
+    from helpers.hostile import assert_no_forgery
+
+    renamed = os.path.join(root, "backup\nFAKE: every unit verified")
+    shutil.copytree(os.path.join(root, NS.hex), renamed)
+    code, out, err = run(capsys, "verify", renamed)
+    assert code == 1, err
+    assert_no_forgery(out + err)
+    assert "8 unit file(s) in 1 namespace(s) checked, 9 bad" in out
+    assert "not its directory" in out and out.count(": unit of another namespace") == 8

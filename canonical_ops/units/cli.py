@@ -156,8 +156,8 @@ def _verify(target: str, perms: Perms, as_json: bool) -> int:
                 try:
                     if not reason:
                         fd, st = open_file(found.dir_fd, found.name)
-                        with _closing(fd):
-                            digest = bytes.fromhex(ns.hex)
+                        with _closing(fd):  # a directory not named by its digest: none
+                            digest = bytes.fromhex(ns.hex) if is_namespace_hex(ns.hex) else b""
                             check_unit(
                                 fd, st.st_size, ns.namespace, found, digest=digest, full=True
                             )
