@@ -36,3 +36,22 @@ def test_sglang_backend_failure_log_escapes_the_outcome(caplog) -> None:
     [record] = caplog.records
     assert FORGED in record.getMessage()
     assert_no_forgery(record.getMessage())
+
+
+@pytest.mark.parametrize("kind", ["auth", "permission", "unavailable", "other"])
+def test_a_servers_words_in_a_start_up_error_are_escaped(kind) -> None:
+    """RedisStoreError messages reach vLLM's and SGLang's own logs, which do not escape: the
+    server's (or the socket's) text is escaped where the message is made."""
+    import redis
+
+    from canonical_ops.units.redis_connection import start_error
+
+    error = {
+        "auth": redis.exceptions.AuthenticationError,
+        "permission": redis.exceptions.NoPermissionError,
+        "unavailable": redis.exceptions.ConnectionError,
+        "other": redis.exceptions.ResponseError,
+    }[kind](f"server says {HOSTILE}")
+    message, _ = start_error("redis://127.0.0.1:1", True, error)
+    assert FORGED in message
+    assert_no_forgery(message)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from layouts import LayerSpec
+from layouts.cli import escape_text
 from layouts.tokens import join_units, split_unit, token_runs
 
 from ..checks import check_int, check_type
@@ -147,7 +148,9 @@ def readable_across(own: StoreNamespace, sizes: Iterable[int]) -> list[UnitsAcro
         try:
             out.append(UnitsAcross.of(own, tokens))
         except ValueError as error:
-            logger.warning("canonical-kv: not reading units of %d tokens: %s", tokens, error)
+            logger.warning(
+                "canonical-kv: not reading units of %d tokens: %s", tokens, escape_text(str(error))
+            )
     return out
 
 

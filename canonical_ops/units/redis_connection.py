@@ -184,6 +184,7 @@ def start_error(url: str, has_password: bool, error: BaseException) -> tuple[str
     """The one-line message of a start-up failure, and whether the server simply did not answer."""
     chain = [error, error.__cause__, error.__context__]
     text = " ".join(str(e) for e in chain if e is not None)
+    said = escape_text(str(error))  # the server's words: never raw in a message
     if any(isinstance(e, redis.exceptions.AuthenticationError) for e in chain) or any(
         marker in text for marker in ("NOAUTH", "HELLO must be called", "Authentication required")
     ):
@@ -191,15 +192,15 @@ def start_error(url: str, has_password: bool, error: BaseException) -> tuple[str
             why = f"requires a password: put it in the URL or pass password=... (or {ENV_PASSWORD})"
             return f"url: the server at {url!r} {why}", False
         why = "(wrong password or unknown user)"
-        return f"url: authentication failed at {url!r} {why}: {error}", False
+        return f"url: authentication failed at {url!r} {why}: {said}", False
     if isinstance(error, redis.exceptions.NoPermissionError):
         why = f"may not run the commands this tier needs ({COMMANDS} on its keys)"
-        return f"url: the user of {url!r} {why}: {error}", False
+        return f"url: the user of {url!r} {why}: {said}", False
     if isinstance(error, _UNAVAILABLE):
         why = "start the server there or correct the URL"
-        return f"url: no Redis server reachable at {url!r} ({error}): {why}", True
+        return f"url: no Redis server reachable at {url!r} ({said}): {why}", True
     why = "refused a command this tier needs (Redis >= 7.0 or Valkey >= 7.2 required)"
-    return f"url: the server at {url!r} {why}: {error}", False
+    return f"url: the server at {url!r} {why}: {said}", False
 
 
 @dataclass(eq=False)

@@ -135,7 +135,7 @@ def warn_if_random_hash_seed(tier_type: str) -> bool:
             "prefix_caching_hash_algo without PYTHONHASHSEED): KV stored by this engine is "
             "never found after a restart or by another engine; set PYTHONHASHSEED to one "
             "value on every engine, or use sha256",
-            tier_type,
+            escape_text(tier_type),
         )
     return True
 
@@ -206,7 +206,9 @@ class _CanonicalTier(SecondaryTierManager):
                 )
             if found is None:
                 logger.warning(
-                    "%s: not sharing KV with other engines: %s", tier_type, escape_text(why)
+                    "%s: not sharing KV with other engines: %s",
+                    escape_text(tier_type),
+                    escape_text(why),
                 )
             else:
                 self.namespace = found
@@ -228,7 +230,7 @@ class _CanonicalTier(SecondaryTierManager):
                 logger.warning(
                     "%s: enable_kv_events is set but KV cache events are disabled globally; "
                     "the tier emits none",
-                    tier_type,
+                    escape_text(tier_type),
                 )
         # IOJob id -> (the job, vLLM's job id, its keys, is a load)
         self._jobs: dict[int, tuple[IOJob, int, list[OffloadKey], bool]] = {}
@@ -251,7 +253,7 @@ class _CanonicalTier(SecondaryTierManager):
         if self._scheme is not None:
             logger.info(
                 "%s: KV shared with every engine in namespace %s (%s, %d tokens per unit)",
-                tier_type,
+                escape_text(tier_type),
                 self.namespace.hex[:16],
                 self.namespace.key_scheme,
                 self.namespace.unit_tokens,
@@ -272,7 +274,7 @@ class _CanonicalTier(SecondaryTierManager):
             "%s: not sharing KV with other engines: vLLM's block hashes are not %s with seed "
             "PYTHONHASHSEED (or vllm-none-hash); set prefix_caching_hash_algo and "
             "PYTHONHASHSEED as on every other engine",
-            self.tier_type,
+            escape_text(self.tier_type),
             scheme.describe(),
         )
         self.store.close(cancel=True)

@@ -29,6 +29,7 @@ import layouts
 from canonical_ops.checks import check_ids, check_int
 from canonical_ops.plan import check_kernels, make_plan
 from canonical_ops.transfer import PlanCall, QueuedTransfer, TransferQueue, register_host_memory
+from layouts.cli import escape_text
 
 __all__ = ["CanonicalOffloadingWorker", "canonical_cell_sizes", "uncertified_refs"]
 
@@ -142,7 +143,9 @@ class _Direction:
             del self.jobs[job_id]
             self.queue.finish(job)
             if job.error is not None:
-                logger.error("canonical %s job %d failed: %s", self.name, job_id, job.error)
+                logger.error(
+                    "canonical %s job %d failed: %s", self.name, job_id, escape_text(str(job.error))
+                )
             results.append(TransferResult(job_id, job.error is None, num_bytes, job.seconds))
         return results
 
