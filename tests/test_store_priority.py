@@ -3,6 +3,7 @@ read-priority and write-priority threads, and a FileStore whose stores are stuck
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ from helpers.store import row, small_namespace
 
 from canonical_ops.units import FileStore, JobPool
 from canonical_ops.units import files as files_mod
+from canonical_ops.units import jobs as jobs_mod
 
 NS = small_namespace(8)
 
@@ -79,3 +81,18 @@ def test_a_file_store_load_is_not_queued_behind_its_stores(tmp_path, monkeypatch
         finally:
             gate.set()
         assert all(store.pool.wait(job, timeout=10).ok for job in stores)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice: Linux")
+def test_write_priority_threads_yield_the_cpu_to_readers() -> None:
+    """Where stores keep every CPU busy, a load's thread still gets CPU time: the
+    write-priority workers run at a higher nice than the process, the readers at its own."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def nice(thread: threading.Thread) -> int:
+        return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+    with JobPool(threads=4, queue_depth=4) as pool:
+        writers = [w for w in pool._workers if w not in pool._readers]
+        wait_until(lambda: all(nice(w) == min(19, base + jobs_mod.WRITE_NICE) for w in writers))
+        assert len(writers) == 2 and all(nice(r) == base for r in pool._readers)

@@ -6,7 +6,9 @@ job) and polls; worker threads do the I/O, a work function's exception becoming 
 writes (every other kind) have a queue each; read-priority threads take reads first and a
 write only while another read-priority thread stays free, write-priority threads take
 writes first (vLLM's ``DualQueueThreadPool``, which splits jobs into one task per block;
-here a job is a batch, so a free reader is kept instead). Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
+here a job is a batch, so a free reader is kept instead). On Linux the write-priority threads
+run ``WRITE_NICE`` above the process's nice: where stores keep every CPU busy, a load's
+thread still gets most of one (the queue alone cannot give it CPU time). Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
 ``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
 abandoned and replaced). A work function calls ``current_job().claim()`` right before it
 writes caller memory or publishes, and does bounded work until ``release()``: an expired
@@ -15,7 +17,9 @@ job never writes (claim and expiry swap one native state word, also used by ``_u
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -30,6 +34,7 @@ __all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "current_j
 
 FINISHED = frozenset({"ok", "miss", "corrupt", "error", "refused", "cancelled", "expired"})
 READ_KINDS = frozenset({"load", "loads", "lookup"})  # the read queue's; the rest: writes
+WRITE_NICE = 5  # write-priority workers' nice, above the process's
 _OUTCOMES = frozenset({"ok", "miss", "corrupt", "error"})
 _local = threading.local()
 
@@ -283,6 +288,11 @@ class JobPool:
 
     def _run(self, reader: bool) -> None:
         me = threading.current_thread()
+        if not reader and WRITE_NICE:
+            with contextlib.suppress(OSError, AttributeError):  # Linux: nice is per thread
+                tid = threading.get_native_id()
+                nice = os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICE
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
         with self._lock:
             while True:
                 job = self._take_locked(reader)
