@@ -96,3 +96,11 @@ def test_write_priority_threads_yield_the_cpu_to_readers() -> None:
         writers = [w for w in pool._workers if w not in pool._readers]
         wait_until(lambda: all(nice(w) == min(19, base + jobs_mod.WRITE_NICE) for w in writers))
         assert len(writers) == 2 and all(nice(r) == base for r in pool._readers)
+
+
+def test_read_threads_is_checked_and_sets_the_readers() -> None:
+    for bad, error in ((0, ValueError), (5, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="read_threads"):
+            JobPool(threads=4, read_threads=bad)
+    with JobPool(threads=4, read_threads=3) as pool:
+        assert pool.read_threads == 3 and len(pool._readers) == 3

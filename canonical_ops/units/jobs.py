@@ -165,10 +165,11 @@ class JobPool:
     """``threads`` workers (>= 1) fed by at most ``queue_depth`` queued jobs (>= 1; beyond
     it submissions are refused), named ``name``-N; ``deadline_s``: seconds a job may run
     from its start before it finishes ``"expired"`` (None: no deadline). The first
-    ``(threads + 1) // 2`` workers are read-priority, the others write-priority (see the
-    module): with 3 threads or more, a read submitted while stores fill the pool starts at
-    once on a free reader, or else after a read, never after a store (1 or 2 threads: the
-    one reader also takes writes when no read is queued, as vLLM's)."""
+    ``read_threads`` workers (default ``(threads + 1) // 2``; 1 to ``threads``) are
+    read-priority, the others write-priority (see the module): with 2 readers or more, a
+    read submitted while stores fill the pool starts at once on a free reader, or else after
+    a read, never after a store (1 reader: it also takes writes when no read is queued, as
+    vLLM's)."""
 
     def __init__(
         self,
@@ -177,12 +178,17 @@ class JobPool:
         *,
         name: str = "ckv-io",
         deadline_s: float | None = None,
+        read_threads: int | None = None,
     ) -> None:
         self.threads = check_int("threads", threads, minimum=1)
         self.queue_depth = check_int("queue_depth", queue_depth, minimum=1)
         self.deadline_s = check_seconds("deadline_s", deadline_s, optional=True)
         self.name = name
-        self.read_threads = (self.threads + 1) // 2
+        self.read_threads = (
+            (self.threads + 1) // 2
+            if read_threads is None
+            else check_int("read_threads", read_threads, minimum=1, maximum=self.threads)
+        )
         self._reads: deque[IOJob] = deque()
         self._writes: deque[IOJob] = deque()
         self._lock = threading.Condition()
