@@ -40,7 +40,7 @@ from canonical_ops.units.files import key_digest
 
 pytestmark = pytest.mark.slow
 
-UNIT_FILE_BYTES = 128 + 4 * 32768  # header (96 + 32-byte key) + payload
+UNIT_FILE_BYTES = 192 + 4 * 32768  # header (96 + the 96-byte key of scheme v2) + payload
 
 
 def write(root, *args: str, expect: int = 0) -> dict:
