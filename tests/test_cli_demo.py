@@ -510,6 +510,8 @@ def test_fleet_standalone_side_loads_what_the_demo_stored_and_says_what_missed(t
          ["--preset deepseek-v3", "float16 or bfloat16", "llama3-8b"]),
         (["standalone", "--store", "/tmp/x", "--load", "2", "--preset", "llama3-8b-fp8"],
          ["--preset llama3-8b-fp8"]),
+        (["standalone", "--store", "redis://127.0.0.1:1/0", "--load", "2"],
+         ["--store redis://127.0.0.1:1/0", "no Redis server reachable"]),
     ],
 )  # fmt: skip
 def test_fleet_bad_input_is_one_line_and_exit_2(args, words):

@@ -52,12 +52,9 @@ class Outcome:
         return escape_text(f"{engine:<10} TP={tp}: {'; '.join(parts)} via {where}{note}: {verdict}")
 
 
-def demo_config(args, units: int, tp: int = 1):
-    """The demo's configuration of this model with a prompt of ``units`` units: split NHD pages
-    (what vLLM's FlashAttention caches and SGLang's host pools both certify), TP ``tp``."""
-    from .cli import build_parser as demo_parser
-    from .config import build_config
-
+def _demo_argv(args, units: int, tp: int) -> list[str]:
+    """The demo's flags for this model with a prompt of ``units`` units at TP ``tp``: split NHD
+    pages (what vLLM's FlashAttention caches and SGLang's host pools both hold)."""
     shared = [n for n, p in PRESETS.items() if p.attention == "full" and not p.kinds]
     shared = [n for n in shared if not PRESETS[n].kv_scales and PRESETS[n].dtype != "float32"]
     if args.preset not in shared:
@@ -68,9 +65,16 @@ def demo_config(args, units: int, tp: int = 1):
         )
     argv = ["--preset", args.preset, "--layers", str(args.layers), "--seed", str(args.seed)]
     argv += ["--packing", "split", "--order", "NHD", "--model-name", args.model_name]
-    block = PRESETS[args.preset].block_size
-    argv += ["--prompt-tokens", str(units * block), "--writer-tp", str(tp), "--reader-tp", str(tp)]
-    return build_config(demo_parser().parse_args(argv), "cpu")
+    tokens = units * PRESETS[args.preset].block_size
+    return [*argv, "--prompt-tokens", str(tokens), "--writer-tp", str(tp), "--reader-tp", str(tp)]
+
+
+def demo_config(args, units: int, tp: int = 1):
+    """The demo's configuration of this model (:func:`_demo_argv`)."""
+    from .cli import build_parser as demo_parser
+    from .config import build_config
+
+    return build_config(demo_parser().parse_args(_demo_argv(args, units, tp)), "cpu")
 
 
 def standalone_load(args) -> Outcome:
@@ -78,14 +82,14 @@ def standalone_load(args) -> Outcome:
     from verified units, rank processes load and compare every byte with the truth)."""
     from . import main as demo_main
 
-    cfg = demo_config(args, args.load, args.tp)
-    argv = ["--preset", cfg.preset, "--layers", str(cfg.layers), "--seed", str(cfg.seed)]
-    argv += ["--packing", "split", "--model-name", args.model_name, "--json"]
-    argv += ["--prompt-tokens", str(cfg.prompt_tokens), "--reader-tp", str(args.tp)]
-    argv += ["--store", args.store, "--phase", "read"]
+    argv = [*_demo_argv(args, args.load, args.tp), "--json", "--store", args.store]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = demo_main(argv)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = demo_main([*argv, "--phase", "read"])
+    except SystemExit:  # its usage error (an unusable store): one line, ours to print
+        lines = err.getvalue().strip().splitlines() or ["the demo's read phase refused"]
+        raise ValueError(lines[-1].split("error: ", 1)[-1].removesuffix(" (see --help)")) from None
     try:
         summary = json.loads(out.getvalue())
     except ValueError:
