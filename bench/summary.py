@@ -3,8 +3,9 @@
 Reads the ``goals`` list of each benchmark JSON in a results folder (what ``make bench``
 writes): ``bench_cpu.json`` / ``bench_cuda.json`` (bench_transfer.py: ``measured`` is a
 sentence), ``bench_store.json``, ``redis.json``, ``fp8.json`` and ``vllm_tiers.json``
-(bench_vllm_tiers.py, in the vLLM venv) (``measured`` and ``target`` are ratios). A benchmark that did not run is listed as such, so a missing figure
-never reads as a met goal.
+(bench_vllm_tiers.py, in the vLLM venv: throughput, and a load's p50 / p99 latency while
+stores stream) (``measured`` and ``target`` are ratios). A benchmark that did not run is
+listed as such, so a missing figure never reads as a met goal.
 
 Usage:
   python bench/summary.py bench/results
