@@ -131,6 +131,20 @@ def test_bad_arguments_are_refused():
         TokenKeyScheme().block_hashes([1, 2.0])
 
 
+@pytest.mark.parametrize(
+    ("tokens", "error", "match"),
+    [
+        ([True, 2], TypeError, r"token_ids\[0\]"),
+        ([1, 2**63], ValueError, r"token_ids\[1\]: expected an int64"),
+        (np.zeros(4, dtype=np.float32), TypeError, "integer array"),
+        (np.array([1, 2**63], dtype=np.uint64), ValueError, "below 2\\*\\*63"),
+    ],
+)
+def test_bad_token_ids_are_refused(tokens, error, match):
+    with pytest.raises(error, match=match):
+        TokenKeyScheme("sha256", 2).block_hashes(tokens)
+
+
 def _namespace(tokens: int, heads: int = 8, model: str = "m", dtype: str = "bfloat16"):
     spec = LayerSpec("full", tokens, heads, 64, dtype, "split", "NHD")
     return StoreNamespace.from_specs(ModelIdentity(model), [spec] * 3, RankContext(1, heads, 0))

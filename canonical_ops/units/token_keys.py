@@ -18,15 +18,6 @@ hash block, group 0, ``hash + (0).to_bytes(4, "big")``, padded by :func:`store_k
 vLLM tiers store it. Test vectors: :data:`TEST_VECTORS_V2` (pinned against vLLM 0.33's own
 functions in ``tests/vllm_plugin/test_shared_prefix.py`` and re-derived without vLLM in
 ``tests/test_token_keys_v2.py``).
-
-Version 1 (:func:`block_keys`, :func:`chain_keys`) is the former chain, kept only for the
-demo's keys until it moves to version 2; no adapter uses it::
-
-    root    = SHA-256(b"canonical-kv.token-keys.v1")
-    key[-1] = root, or SHA-256(root || b"salt" || salt) for a tenant's salt (bytes)
-    key[i]  = SHA-256(key[i-1] || LE64(t[i*B]) || ... || LE64(t[i*B + B - 1]))
-
-Test vector v1: ``block_keys([1, 2, 3, 4], 2)[1].hex() == TEST_VECTOR_HEX``.
 """
 
 from __future__ import annotations
@@ -45,22 +36,8 @@ from ..checks import check_int
 
 __all__ = ["DEFAULT_SEED", "HASH_ALGORITHMS", "KEY_SCHEME_V2", "TEST_VECTORS_V2", "TokenKeyScheme"]
 __all__ += ["cbor_encode", "offload_key_of", "store_key"]
-__all__ += ["KEY_BYTES", "ROOT_KEY", "TEST_VECTOR_HEX", "block_keys", "chain_keys", "root_key"]
-
-KEY_BYTES = 32
-ROOT_KEY = hashlib.sha256(b"canonical-kv.token-keys.v1").digest()
-TEST_VECTOR_HEX = "31bc5c5196c0f882fbc31f3209a9d8d57ad285dcea07cd6a945f8f05a9ac2f27"
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def root_key(salt: bytes | None = None) -> bytes:
-    """``key[-1]``, the parent of a sequence's first block: unsalted (shared) or salted."""
-    if salt is None:
-        return ROOT_KEY
-    if not isinstance(salt, (bytes, bytearray)):
-        raise TypeError(f"salt: expected bytes or None, got {type(salt).__name__}")
-    return hashlib.sha256(ROOT_KEY + b"salt" + bytes(salt)).digest()
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
@@ -89,30 +66,6 @@ def _token_array(token_ids: Any) -> np.ndarray:
         out[i] = int(t)
     return out
 
-
-def chain_keys(parent: bytes, token_ids: Any, block_tokens: int) -> list[bytes]:
-    """Keys of the whole blocks of ``token_ids`` (sequence or integer array; a trailing
-    partial block has none) following the block whose key is ``parent`` (32 bytes, or
-    :func:`root_key` at a sequence's start), one per block of ``block_tokens`` ids."""
-    if not isinstance(parent, (bytes, bytearray)) or len(parent) != KEY_BYTES:
-        raise ValueError(f"parent: expected {KEY_BYTES} bytes, got {parent!r:.80}")
-    block_tokens = check_int("block_tokens", block_tokens, minimum=1)
-    tokens = _token_array(token_ids)
-    raw = tokens[: len(tokens) // block_tokens * block_tokens].tobytes()
-    keys, key, step = [], bytes(parent), block_tokens * 8
-    for at in range(0, len(raw), step):
-        key = hashlib.sha256(key + raw[at : at + step]).digest()
-        keys.append(key)
-    return keys
-
-
-def block_keys(token_ids: Any, block_tokens: int, *, salt: bytes | None = None) -> list[bytes]:
-    """Store keys of a sequence's whole blocks, first block first: ``block_keys(t, B)[i]``
-    names the prefix ``t[: (i + 1) * B]`` (defined in the module docstring)."""
-    return chain_keys(root_key(salt), token_ids, block_tokens)
-
-
-# ---------------------------------------------------------------------------- version 2
 
 KEY_SCHEME_V2 = "vllm-block-hash.v1"  # the scheme's name in a namespace (with H and B_h)
 HASH_ALGORITHMS = ("sha256", "sha256_cbor")  # vLLM's reproducible (cryptographic) ones
