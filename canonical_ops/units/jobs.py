@@ -191,7 +191,12 @@ class JobPool:
         )
         self._reads: deque[IOJob] = deque()
         self._writes: deque[IOJob] = deque()
-        self._lock = threading.Condition()
+        lock = threading.RLock()
+        self._lock = threading.Condition(lock)  # the watchdog's; close() wakes everyone
+        # Idle workers sleep on their priority's condition; a submission wakes ONE worker
+        # that prefers its kind (else one of the others), never all of them.
+        self._wake = {True: threading.Condition(lock), False: threading.Condition(lock)}
+        self._sleeping = {True: 0, False: 0}  # per priority (reader: True): waiting, not woken
         self._finished: dict[int, IOJob] = {}  # not yet collected, in job id order
         self._running: dict[threading.Thread, IOJob] = {}
         self._readers: set[threading.Thread] = set()  # the read-priority workers
@@ -232,8 +237,9 @@ class JobPool:
         with self._lock:
             accepted = not self._closed and self._queued() < self.queue_depth
             if accepted:
-                (self._reads if job.kind in READ_KINDS else self._writes).append(job)
-                self._lock.notify_all()  # a worker of the right priority takes it
+                read = job.kind in READ_KINDS
+                (self._reads if read else self._writes).append(job)
+                self._wake_one_locked(reader=read)
             self._counts["submitted" if accepted else "refused"] += 1
         if not accepted:
             job._collected = True
@@ -276,6 +282,20 @@ class JobPool:
         if not job._collected:
             self._finished[job.job_id] = job
 
+    def _wake_one_locked(self, reader: bool) -> None:
+        """Wake one sleeping worker, of this priority if one sleeps."""
+        for role in (reader, not reader):
+            if self._sleeping[role]:
+                self._sleeping[role] -= 1
+                self._wake[role].notify()
+                return
+
+    def _wake_all_locked(self) -> None:
+        for role in (True, False):
+            self._sleeping[role] = 0
+            self._wake[role].notify_all()
+        self._lock.notify_all()
+
     def _queued(self) -> int:
         return len(self._reads) + len(self._writes)
 
@@ -305,7 +325,8 @@ class JobPool:
                 if job is None:
                     if self._closed and not self._queued():
                         return
-                    self._lock.wait()
+                    self._sleeping[reader] += 1
+                    self._wake[reader].wait()
                     continue
                 self._running[me] = job  # the watchdog wakes at least once a deadline
                 self._lock.release()
@@ -317,7 +338,8 @@ class JobPool:
                     return  # abandoned after its deadline: a replacement took this place
                 del self._running[me]
                 self._collect_locked(job)
-                self._lock.notify_all()  # a reader is free again: writes may go to others
+                if self._closed:  # the last job done: idle workers stop
+                    self._wake_all_locked()
 
     def _watch(self) -> None:
         """Expire jobs running past the deadline; replace their threads."""
@@ -366,7 +388,7 @@ class JobPool:
                 job._finish("cancelled", "cancelled by close()")
                 self._counts["cancelled"] += 1
                 self._finished[job.job_id] = job
-            self._lock.notify_all()  # idle workers stop once the queues are empty
+            self._wake_all_locked()  # idle workers drain the queues, then stop
         end = None if timeout is None else time.monotonic() + timeout
         while end is None or time.monotonic() < end:
             with self._lock:  # abandoned threads are no longer listed: never joined
