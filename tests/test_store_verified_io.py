@@ -76,7 +76,7 @@ def stored(tmp_path, **options) -> tuple[FileStore, str]:
 
 
 def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
-    """The load failed as a miss, wrote nothing readable as a load, and quarantined."""
+    """The load is a miss (not ok, not an error) and the unit was quarantined."""
     dest = np.zeros(NS.layer_bytes(first, end), np.uint8)
     job = store.load(7, first, end, dest)
     return job.status == "miss" and not unit_files(store) and store.metrics().quarantined == 1
