@@ -178,7 +178,7 @@ class _CanonicalTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         secret = _secret(authenticated)
         self.locality = Locality(locality) if locality is not None else None
-        threads = sum(
+        reads, writes = (
             check_int(name, self._THREADS if n is None else n, minimum=1)
             for name, n in (
                 ("n_read_threads", n_read_threads),
@@ -238,7 +238,13 @@ class _CanonicalTier(SecondaryTierManager):
         self._removed = 0
         self._reported = dict.fromkeys((CORRUPT_UNITS, EXPIRED_JOBS, REMOVED_UNITS), 0)
         self._store_options = {} if secret is None else {"secret": secret}
-        self._io = JobPool(threads, queue_depth, name=f"ckv-{tier_type}", deadline_s=deadline_s)
+        self._io = JobPool(
+            reads + writes,
+            queue_depth,
+            name=f"ckv-{tier_type}",
+            deadline_s=deadline_s,
+            read_threads=reads,  # vLLM's split: n_read_threads prefer loads
+        )
         self._lookup_pool = JobPool(1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=deadline_s)
         try:
             self.store: UnitStore = self._open_store(pool=self._io, **self._store_options)

@@ -383,3 +383,12 @@ def test_unit_keys_put_the_payload_on_a_cache_line_and_give_the_offload_key_back
     # one unit key per offload key, also for keys that look like padded ones
     tricky = [key, key + bytes(1), unit[:-1], unit, unit + bytes(1)]
     assert len({unit_key(k) for k in tricky}) == len(set(tricky))
+
+
+def test_the_tiers_read_threads_prefer_loads(plugin_registered, models, tmp_path):
+    """vLLM's n_read_threads / n_write_threads become the pool's read- and write-priority
+    workers (loads never wait behind a burst of cascades)."""
+    tier = {**fs_tier(tmp_path), "n_read_threads": 3, "n_write_threads": 1}
+    engine = SchedulerEngine(models["llama8"], [tier])
+    [canonical] = engine.tiers
+    assert (canonical._io.threads, canonical._io.read_threads) == (4, 3)
