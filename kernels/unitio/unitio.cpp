@@ -673,6 +673,10 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     // need; before an O_DIRECT read the device would read the unit twice. So with
     // O_DIRECT, try the page cache only when cachestat() says it holds the whole unit.
     bool cached = opt.nowait && (!opt.direct || fully_cached(fd, total));
+    // A buffered unit the page cache does not hold whole: ask for all of it at once, so the
+    // device reads it in requests as large as the unit rather than readahead windows.
+    if (cached && !opt.direct && !fully_cached(fd, total))
+      posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
       if (cached) {
