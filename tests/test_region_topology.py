@@ -32,6 +32,7 @@ from canonical_ops.engine import (
     canonical_row_bytes,
     region_path,
 )
+from canonical_ops.engine import claims as claims_module
 from canonical_ops.engine import region as region_module
 from canonical_ops.engine.worker import group_layer_mappings
 from canonical_ops.units import FileStore, ModelIdentity, StoreNamespace
@@ -379,8 +380,8 @@ def test_more_ranges_than_the_header_holds_join_and_refuse_more(regions: Any) ->
         with pytest.raises(RegionTopologyError):
             region.claim_rows((2, 1, 1, 1), [RowArea("reader", 100 * i + 10, 100 * i + 20)])
     region.claim_rows((2, 1, 1, 1), [RowArea("reader", 9_960, 10_000)])  # past the last one
-    joined = region_module._joined([(100 * i, 100 * i + 50) for i in range(100)])
-    assert len(joined) == region_module.MAX_RANGES
+    joined = claims_module._joined([(100 * i, 100 * i + 50) for i in range(100)])
+    assert len(joined) == claims_module.MAX_RANGES
     assert joined[0][0] == 0 and joined[-1][1] == 9_950
 
 

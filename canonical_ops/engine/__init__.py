@@ -1,7 +1,8 @@
 """The standalone engine (a multi-process demo or a small custom engine; vLLM needs none of it):
-``region`` (/dev/shm rows per engine and stage), ``worker`` (one per rank, one op call per
-store or load), ``pages`` (block hash -> page, readiness, LRU, pins, fills), ``cache`` (a
-stage's pages backed by unit stores), ``hybrid`` (the state side). Imports are lazy."""
+``region`` (/dev/shm rows per engine and stage; ``claims``: the workers' claims on its rows),
+``worker`` (one per rank, one op call per store or load), ``pages`` (block hash -> page,
+readiness, LRU, pins, fills), ``cache`` (a stage's pages backed by unit stores), ``hybrid``
+(the state side). Imports are lazy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(("PageCapacityError", "PageManager", "PageState", "PageStateError"), ".pages"),
     **dict.fromkeys(("RegionSpaceError", "SharedOffloadRegion", "region_path"), ".region"),
-    **dict.fromkeys(("RegionTopologyError", "RowArea"), ".region"),
+    **dict.fromkeys(("RegionTopologyError", "RowArea"), ".claims"),
     **dict.fromkeys(("OffloadWorker", "TransferJob", "canonical_row_bytes"), ".worker"),
     "group_layer_mappings": ".worker",
     **dict.fromkeys(("StageCache", "pp_layer_range", "pp_layer_ranges"), ".cache"),

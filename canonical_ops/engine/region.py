@@ -2,8 +2,8 @@
 creates ``<shm_dir>/canonical-kv-<engine id>``, the others attach; the rank completing the
 count of attached ranks unlinks it, and so does rank 0's close (protocol: docs/design.md).
 Layout: a 4096-byte header, then row ``r`` at ``4096 + r * row_bytes``. The header also
-records the workers' claims on the rows (:meth:`SharedOffloadRegion.claim_rows`): opaque
-pages are readable only by the topology that stored them."""
+records the workers' claims on the rows (:meth:`SharedOffloadRegion.claim_rows`; the record:
+``claims``): opaque pages are readable only by the topology that stored them."""
 
 from __future__ import annotations
 
@@ -20,13 +20,21 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from ..checks import check_int, check_seconds
 from ..units.liveness import ProcessId, process_alive, this_process
+from .claims import (
+    RECORD_BYTES,
+    TABLES_BYTES,
+    RegionTopologyError,
+    RowArea,
+    RowClaims,
+    Topology,
+    unit_row_claim,
+)
 
 __all__ = ["RegionSpaceError", "RegionTopologyError", "RowArea", "SharedOffloadRegion"]
 __all__ += ["region_path", "unit_row_claim"]
@@ -41,22 +49,13 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 # magic, version, state, num_rows, row_bytes, world_size, creator (pid namespace, pid,
-# start ticks), engine id digest; from _RANKS_OFFSET one byte per rank (1: attached).
+# start ticks), engine id digest; after it the claims' record (engine/claims.py); from
+# _RANKS_OFFSET one byte per rank (1: attached); the claims' range tables end the header.
 _HEADER = struct.Struct("<8sIIQQI4xQqQ16s")
-# After it, the row claims: flags (_CLAIMED, _FOREIGN), a zero word, the claimed topology,
-# the first other one, the number of opaque, canonical and foreign ranges; the three range
-# tables (opaque and canonical at the claimed topology, canonical elsewhere) end the header.
-_CLAIMS = struct.Struct("<II4I4IHHH")
-_CLAIMED, _FOREIGN = 1, 2
 _RANKS_OFFSET = 128
-MAX_RANGES = 64  # per table; more are joined (the gap too: it only refuses more)
-_RANGE = struct.Struct("<QQ")
-_TABLE_BYTES = MAX_RANGES * _RANGE.size
-_OPAQUE_OFFSET = HEADER_BYTES - 3 * _TABLE_BYTES
-_CANONICAL_OFFSET = HEADER_BYTES - 2 * _TABLE_BYTES
-_FOREIGN_OFFSET = HEADER_BYTES - _TABLE_BYTES
-_TABLES = (_OPAQUE_OFFSET, _CANONICAL_OFFSET, _FOREIGN_OFFSET)
+_OPAQUE_OFFSET = HEADER_BYTES - TABLES_BYTES  # the range tables, the opaque one first
 MAX_WORLD_SIZE = _OPAQUE_OFFSET - _RANKS_OFFSET
+assert _HEADER.size + RECORD_BYTES <= _RANKS_OFFSET
 _NAME_OK = re.compile(r"[^A-Za-z0-9._-]")
 _UNLINK_WAIT_S = 5.0
 
@@ -78,187 +77,6 @@ def region_path(engine_id: str, shm_dir: str = "/dev/shm") -> str:
     return os.path.join(shm_dir, FILE_PREFIX + name)
 
 
-class RegionTopologyError(ValueError):
-    """A worker's layer areas cannot share the region's rows with what other workers claimed:
-    an opaque page (each rank's bytes whole, ``parallelism_agnostic=False``) is readable only
-    by the topology that stored it. Nothing was recorded."""
-
-
-Topology = tuple[int, int, int, int]  # (tp, dcp, pcp, interleave), as units' opaque layers
-
-
-def _topology_text(topology: Topology) -> str:
-    return "tp={}, dcp={}, pcp={}, interleave={}".format(*topology)
-
-
-@dataclass(frozen=True)
-class RowArea:
-    """Bytes ``[start, end)`` of every row that a worker moves, named ``name`` in errors (e.g.
-    "layer 1"); ``opaque``: why its pages are each rank's bytes whole (layouts' fallback
-    reason), None for canonical (parallelism free) pages."""
-
-    name: str
-    start: int
-    end: int
-    opaque: str | None = None
-
-
-def unit_row_claim(namespace: Any, first: int, end: int) -> tuple[Topology | None, list[RowArea]]:
-    """What a mover of ``namespace``'s units of layers ``[first, end)`` (a StageCache: row
-    ``p`` holds one unit, the layers in order) claims of a region's rows: the topology of its
-    opaque layers (a state layer's with interleave 1, as ``StateWorker`` claims; None when
-    every layer is certified) and each layer's area, opaque where the namespace stores it so."""
-    states = namespace.unit_kind == "state"
-    geometries = (namespace.states if states else namespace.layers)[first:end]
-    offsets = namespace.payload_offsets(first, end)
-    kind = "state layer" if states else "layer"
-    areas, topologies = [], set()
-    for index, (geometry, start, stop) in enumerate(zip(geometries, offsets, offsets[1:])):
-        reason = None
-        if geometry.opaque:
-            topology = tuple(geometry.topology)
-            topologies.add((*topology, 1) if states else topology)
-            why = getattr(geometry, "reason", "") or "not parallelism agnostic"
-            reason = f"stored opaque in namespace {namespace.hex[:16]}... ({why})"
-        areas.append(RowArea(f"{kind} {first + index}", start, stop, reason))
-    if len(topologies) > 1:
-        raise ValueError(f"namespace: expected opaque layers of one topology, got {topologies}")
-    return (topologies.pop() if topologies else None), areas
-
-
-def _joined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` sorted and merged, at most MAX_RANGES (the nearest ones joined, gap and all:
-    a claim only ever covers more, so it refuses more, never less)."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    while len(out) > MAX_RANGES:
-        i = min(range(len(out) - 1), key=lambda k: out[k + 1][0] - out[k][1])
-        out[i : i + 2] = [(out[i][0], out[i + 1][1])]
-    return out
-
-
-def _overlap(area: RowArea, ranges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-    return next(((s, e) for s, e in ranges if s < area.end and area.start < e), None)
-
-
-@dataclass
-class _Claims:
-    """The workers' claims on the rows: ``topology`` of the first claimant with one, the
-    ``opaque`` and ``canonical`` ranges moved at it, ``foreign`` ranges moved as canonical
-    pages by workers of another topology (the first of which is ``other``) or of none (a
-    StageCache of certified units); ``damaged``: the record did not parse (``raw``: the
-    header it came from, written back as it was: a damaged record is never repaired)."""
-
-    topology: Topology | None = None
-    other: Topology | None = None
-    opaque: list[tuple[int, int]] = field(default_factory=list)
-    canonical: list[tuple[int, int]] = field(default_factory=list)
-    foreign: list[tuple[int, int]] = field(default_factory=list)
-    damaged: bool = False
-    raw: bytes = b""
-
-    @classmethod
-    def parse(cls, raw: bytes, row_bytes: int) -> _Claims:
-        """The record in header ``raw``, checked (another process wrote it: ``damaged`` when
-        it is not what :meth:`pack_into` writes for rows of ``row_bytes``)."""
-        flags, zero, *fields = _CLAIMS.unpack_from(raw, _HEADER.size)
-        topologies, counts = fields[:8], fields[8:]
-        tables = []
-        for offset, count in zip(_TABLES, counts):
-            count = min(count, MAX_RANGES + 1)
-            tables.append([_RANGE.unpack_from(raw, offset + i * _RANGE.size) for i in range(count)])
-        claimed = tuple(topologies[:4]) if flags & _CLAIMED else None
-        other = tuple(topologies[4:]) if flags & _FOREIGN else None
-        claims = cls(claimed, other, *tables, raw=bytes(raw))
-        problems = (
-            zero,
-            flags & ~(_CLAIMED | _FOREIGN),
-            any(t is not None and min(t) < 1 for t in (claimed, other)),
-            claimed is None and any(topologies[:4]),
-            other is None and any(topologies[4:]),
-            claimed is None and (other or claims.opaque or claims.canonical),
-            any(
-                len(t) > MAX_RANGES or not all(0 <= s < e <= row_bytes for s, e in t)
-                for t in tables
-            ),
-        )
-        claims.damaged = any(problems)
-        return claims
-
-    def pack_into(self, raw: bytearray) -> None:
-        if self.damaged:  # as read: damage stays visible to every later claimant
-            raw[_HEADER.size : _RANKS_OFFSET] = self.raw[_HEADER.size : _RANKS_OFFSET]
-            raw[_OPAQUE_OFFSET:] = self.raw[_OPAQUE_OFFSET:]
-            return
-        flags = (_CLAIMED if self.topology else 0) | (_FOREIGN if self.other else 0)
-        topologies = (*(self.topology or (0,) * 4), *(self.other or (0,) * 4))
-        tables = (self.opaque, self.canonical, self.foreign)
-        _CLAIMS.pack_into(raw, _HEADER.size, flags, 0, *topologies, *map(len, tables))
-        for offset, table in zip(_TABLES, tables):
-            for i, (start, end) in enumerate(table):
-                _RANGE.pack_into(raw, offset + i * _RANGE.size, start, end)
-
-    def refusal(self, topology: Topology | None, areas: Sequence[RowArea]) -> str | None:
-        """Why a worker at ``topology`` (None: of no topology, canonical pages only) moving
-        ``areas`` may not use these rows, or None."""
-        if self.damaged:
-            return "its record of the workers' claims is damaged (not written by this code)"
-        here = _topology_text(topology) if topology else "no topology (certified pages only)"
-        owner = self.topology
-        there = _topology_text(owner) if owner else ""
-        for area in areas:
-            if area.opaque and owner is not None and topology != owner:
-                return (
-                    f"{area.name} is stored opaque at {here} (fallback reason: {area.opaque}): "
-                    f"its pages are each rank's bytes whole, but the region's rows are claimed "
-                    f"by workers at {there}"
-                )
-            if area.opaque:
-                readers = [(r, there) for r in self.canonical]
-                readers += [(r, _topology_text(self.other) if self.other else "no topology")
-                            for r in self.foreign]  # fmt: skip
-                taken = next(((r, who) for r, who in readers if _overlap(area, [r])), None)
-                if taken is not None:
-                    return (
-                        f"{area.name} is stored opaque at {here} (fallback reason: "
-                        f"{area.opaque}), but workers at {taken[1]} already use bytes "
-                        f"{list(taken[0])} of each row as canonical pages"
-                    )
-                continue
-            taken = _overlap(area, self.opaque)
-            if taken is not None and topology == owner:
-                return (
-                    f"{area.name} (bytes {[area.start, area.end]} of each row) holds pages "
-                    f"stored opaque by workers at {there} (bytes {list(taken)}), but this "
-                    f"worker of the same topology takes them as canonical pages: the two lay "
-                    f"that layer out differently (another spec, or another layer there)"
-                )
-            if taken is not None:
-                return (
-                    f"{area.name} (bytes {[area.start, area.end]} of each row) holds pages "
-                    f"stored opaque by workers at {there} (not parallelism agnostic); this "
-                    f"worker at {here} would read them as canonical pages"
-                )
-        return None
-
-    def add(self, topology: Topology | None, areas: Sequence[RowArea]) -> None:
-        """Record a worker the :meth:`refusal` check admitted."""
-        ranges = [(a.start, a.end) for a in areas]
-        if topology is not None and self.topology is None:
-            self.topology = topology
-        if topology is not None and topology == self.topology:
-            self.opaque = _joined(self.opaque + [r for r, a in zip(ranges, areas) if a.opaque])
-            canonical = [r for r, a in zip(ranges, areas) if not a.opaque]
-            self.canonical = _joined(self.canonical + canonical)
-        else:
-            self.other = self.other or topology
-            self.foreign = _joined(self.foreign + ranges)
-
-
 @dataclass
 class _Header:
     num_rows: int
@@ -269,7 +87,7 @@ class _Header:
     ranks: bytearray
     state: int = STATE_INIT
     version: int = FORMAT_VERSION
-    claims: _Claims = field(default_factory=_Claims)
+    claims: RowClaims = field(default_factory=RowClaims)
 
     @classmethod
     def read(cls, fd: int) -> _Header | None:
@@ -279,7 +97,7 @@ class _Header:
             return None
         _, version, state, rows, row_bytes, world, ns, pid, start, digest = _HEADER.unpack_from(raw)
         ranks = bytearray(raw[_RANKS_OFFSET : _RANKS_OFFSET + min(world, MAX_WORLD_SIZE)])
-        claims = _Claims.parse(raw, row_bytes)
+        claims = RowClaims.parse(raw[_HEADER.size : _RANKS_OFFSET], raw[_OPAQUE_OFFSET:], row_bytes)
         return cls(rows, row_bytes, world, (ns, pid, start), digest, ranks, state, version, claims)
 
     def write(self, fd: int) -> None:
@@ -287,7 +105,8 @@ class _Header:
         raw = bytearray(HEADER_BYTES)
         _HEADER.pack_into(raw, 0, MAGIC, *fields, *self.creator, self.digest)
         raw[_RANKS_OFFSET : _RANKS_OFFSET + len(self.ranks)] = self.ranks
-        self.claims.pack_into(raw)
+        view = memoryview(raw)
+        self.claims.pack_into(view[_HEADER.size : _RANKS_OFFSET], view[_OPAQUE_OFFSET:])
         if os.pwrite(fd, raw, 0) != HEADER_BYTES:
             raise OSError(errno.EIO, "short write of the region header")
 
