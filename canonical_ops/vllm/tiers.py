@@ -2,7 +2,8 @@
 row of vLLM's CPU region) is one checksummed unit, keyed by vLLM's offload key. A load is verified
 before vLLM sees it (a bad unit is a miss); all I/O runs as jobs with a ``deadline_s``. With
 ``shared_prefix`` (:mod:`.shared`) a unit is the row's layers' canonical pages in the namespace
-every engine shares, found by SGLang and the standalone engine by the same key (scheme v2)."""
+every engine shares, found by SGLang and the standalone engine by the same key (scheme v2).
+The namespace of the rows otherwise: :mod:`.namespace`."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
-    canonical_format_id,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -37,14 +35,14 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from layouts import RankContext
 from layouts.cli import escape_text
 
 from ..checks import check_bool, check_int, check_seconds
-from ..units import JobOutcome, JobPool, LayerGeometry, ModelIdentity, StoreNamespace
+from ..units import JobOutcome, JobPool
 from ..units.jobs import current_job
 from ..units.tier import DEFAULT_DEADLINE_S, LoadItem, StoreItem, UnitStore, batch_outcome
 from ..units.token_keys import TokenKeyScheme, offload_key_of, store_key
+from .namespace import row_namespace
 from .shared import SharedPrefix, chunk_pages, chunk_to_unit, shared_namespace, unit_to_chunk
 
 if TYPE_CHECKING:
@@ -57,7 +55,6 @@ __all__ = ["CanonicalFileTier", "CanonicalRedisTier", "row_namespace", "warn_if_
 
 logger = init_logger(__name__)
 
-UNIT_FORMAT = "vllm-offload-chunk-v1"  # a unit = one primary row, keyed by vLLM's offload key
 CORRUPT_UNITS = "vllm:kv_offload_canonical_corrupt_units"
 EXPIRED_JOBS = "vllm:kv_offload_canonical_expired_jobs"
 REMOVED_UNITS = "vllm:kv_offload_canonical_removed_units"
@@ -67,8 +64,6 @@ _METRICS = {  # counter -> its help text
     EXPIRED_JOBS: "Lookups, loads and stores that ran past deadline_s (a miss or a failed store).",
     REMOVED_UNITS: "Units the tier removed (LRU eviction to capacity_bytes, quarantine).",
 }
-_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float"})
-_SHARED_FORMATS = ("v1-nhd", "v1-hnd")
 _MAX_LOOKUP_ROUNDS = 8  # prefix lookups per batch of keys; later keys count as misses
 unit_key = store_key  # an offload key's unit key: units.token_keys' one padding
 
@@ -76,51 +71,6 @@ unit_key = store_key  # an offload key's unit key: units.token_keys' one padding
 def offload_key(unit: bytes) -> OffloadKey:
     """The offload key a unit key was made from (:func:`unit_key` inverted)."""
     return OffloadKey(offload_key_of(unit))
-
-
-def row_namespace(
-    offloading_spec: OffloadingSpec, row_bytes: int, model_name: str | None = None
-) -> StoreNamespace:
-    """The namespace of vLLM's primary rows: everything that decides their bytes (the topology
-    only when vLLM does not certify the config parallelism-agnostic). The block-hash seed is
-    not described: it shapes the keys, and must stay secret."""
-    config = offloading_spec.config
-    if not config.canonical_layout:
-        raise ValueError(
-            "canonical_layout: expected true in kv_connector_extra_config for a canonical tier "
-            "(direct-layout rows depend on the topology); add it, or use vLLM's 'fs' tier"
-        )
-    layout = config.kv_cache_layout
-    fmt = canonical_format_id(layout) if layout else None
-    if fmt not in _SHARED_FORMATS:
-        raise ValueError(
-            f"kv_cache_layout: expected an NHD or HND family layout, got "
-            f"{config.kv_cache_layout!r} (canonical format {fmt!r})"
-        )
-    dtype = str(config.model.dtype).removeprefix("torch.")
-    extra: dict[str, Any] = {
-        "engine": "vllm",
-        "unit": UNIT_FORMAT,
-        "dtype": dtype,
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "groups": [
-            {"tokens_per_block": g.tokens_per_block, "layer_names": list(g.layer_names)}
-            for g in config.groups
-        ],
-    }
-    parallel = config.parallel
-    if not parallel.is_parallelism_agnostic:
-        sizes = {name: getattr(parallel, f"{name}_size") for name in ("tp", "pp", "pcp", "dcp")}
-        extra["topology"] = {**sizes, "world_size": parallel.world_size}
-    # The row is opaque to the unit store (its per-layer layout is vLLM's, inside the row).
-    tokens = max([g.tokens_per_block for g in config.groups] or [1])
-    row = LayerGeometry.opaque_from_bytes(
-        row_bytes, RankContext(1, 1, 0), block_size=tokens * config.cache.blocks_per_chunk
-    )
-    model = ModelIdentity(model_name if model_name is not None else config.model.name, "", extra)
-    kv_quant = "none" if dtype in _FLOAT_DTYPES else dtype
-    return StoreNamespace(fmt, model, kv_quant, (row,))
 
 
 def warn_if_random_hash_seed(tier_type: str) -> bool:
