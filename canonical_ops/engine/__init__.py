@@ -1,8 +1,9 @@
 """The standalone engine (a multi-process demo or a small custom engine; vLLM needs none of it):
 ``region`` (/dev/shm rows per engine and stage; ``claims``: the workers' claims on its rows),
 ``worker`` (one per rank, one op call per store or load), ``pages`` (block hash -> page,
-readiness, LRU, pins, fills), ``cache`` (a stage's pages backed by unit stores), ``hybrid``
-(the state side). Imports are lazy."""
+readiness, LRU, pins, fills), ``cache`` (a stage's pages backed by unit stores; the stores it
+reads across: ``stage_stores``; what it reports: ``stage_reports``), ``hybrid`` (the state
+side). Imports are lazy."""
 
 from __future__ import annotations
 

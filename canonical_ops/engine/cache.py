@@ -4,8 +4,8 @@
 stage's unit: one batch job per tier and call, nothing waits unless given a timeout, a fill is
 ready only once its unit was verified (a bad one is a miss), a failing tier is counted and
 skipped. Units of other token counts (another engine's) are read across (``units.across``):
-split or joined into the stage's unit, each source unit verified. One scheduler thread drives
-it."""
+split or joined into the stage's unit, each source unit verified (those stores, checked:
+``stage_stores``; what it reports: ``stage_reports``). One scheduler thread drives it."""
 
 from __future__ import annotations
 
@@ -18,18 +18,26 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int, check_seconds, check_type
-from ..units.across import UnitsAcross, readable_across
+from ..units.across import UnitsAcross
 from ..units.jobs import IOJob
 from ..units.namespace import StoreNamespace
 from ..units.tier import LoadItem, StoreItem
-from ..units.unit import as_byte_view, normalize_key
+from ..units.unit import as_byte_view
 from .pages import PageCapacityError, PageManager, PageStateError
 from .region import RegionTopologyError, SharedOffloadRegion, unit_row_claim
+from .stage_reports import (
+    FetchResult,
+    PersistResult,
+    StageCacheMetrics,
+    TierCounters,
+    TierEvent,
+    TierLookup,
+)
+from .stage_stores import AcrossStores, check_store, checked_hashes
 
 __all__ = ["FetchResult", "PersistResult", "StageCache", "StageCacheMetrics", "TierCounters"]
 __all__ += ["TierEvent", "TierLookup", "pp_layer_range", "pp_layer_ranges"]
 
-_TIER_METHODS = ("submit_lookup", "submit_loads", "submit_stores", "wait")
 _MAX_SEARCHES = 1024  # lookups asked about and not asked again; the oldest are dropped
 
 
@@ -50,91 +58,6 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 def pp_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """Every stage's :func:`pp_layer_range`, stage 0 first."""
     return [pp_layer_range(num_layers, rank, pp_size) for rank in range(pp_size)]
-
-
-@dataclass(frozen=True)
-class TierLookup:
-    """Leading blocks ready in the region, then how many more the tiers hold (not verified
-    yet) and the tier of each. ``pending``: the tiers have not answered yet; ask again."""
-
-    in_region: int
-    from_tiers: int
-    sources: tuple[int, ...]
-    pending: bool = False
-
-    @property
-    def total(self) -> int:
-        return self.in_region + self.from_tiers
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    """Fills submitted, blocks already ``present`` in the region, blocks ``refused`` (a tier
-    refused, or no page to spare), and per fetched block its page (None: not submitted)."""
-
-    submitted: int
-    present: int
-    refused: int
-    pages: tuple[int | None, ...]
-
-
-@dataclass(frozen=True)
-class PersistResult:
-    """Stores submitted (one per block and tier), blocks not ready, stores refused, and
-    stores ``skipped`` because the block came from that tier (or, promoting, a nearer one)."""
-
-    submitted: int
-    not_ready: int
-    refused: int
-    skipped: int
-
-
-@dataclass(frozen=True)
-class TierEvent:
-    """One block's finished ``"fill"`` or ``"store"`` with the tier's status and detail."""
-
-    kind: str
-    block_hash: Hashable
-    page_id: int
-    tier: str
-    status: str
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class TierCounters:
-    """What one stage did with one tier; fills missed: absent, corrupt or past the deadline.
-    ``errors``: tier calls that raised or lookups that failed; ``last_error``: the latest."""
-
-    name: str
-    lookup_hit_blocks: int = 0
-    fills_submitted: int = 0
-    fills_ok: int = 0
-    fills_missed: int = 0
-    fills_failed: int = 0
-    fills_refused: int = 0
-    bytes_filled: int = 0
-    stores_submitted: int = 0
-    stores_ok: int = 0
-    stores_failed: int = 0
-    stores_refused: int = 0
-    bytes_stored: int = 0
-    errors: int = 0
-    last_error: str = ""
-
-
-@dataclass(frozen=True)
-class StageCacheMetrics:
-    """A snapshot: blocks looked up and where they were found, jobs in flight, per tier."""
-
-    layers: tuple[int, int]
-    lookup_blocks: int
-    region_hit_blocks: int
-    tier_hit_blocks: int
-    miss_blocks: int
-    fills_in_flight: int
-    stores_in_flight: int
-    tiers: tuple[TierCounters, ...]
 
 
 @dataclass
@@ -198,15 +121,8 @@ class StageCache:
         self.row_bytes = namespace.layer_bytes(first, end)
         self.tiers = list(tiers)
         for i, tier in enumerate(self.tiers):
-            missing = [m for m in _TIER_METHODS if not callable(getattr(tier, m, None))]
-            if missing:
-                raise TypeError(f"tiers[{i}]: expected a unit store, lacks {missing}")
-            theirs = getattr(tier, "namespace", None)
-            if not isinstance(theirs, StoreNamespace) or theirs.digest != namespace.digest:
-                got = theirs.hex[:16] + "..." if isinstance(theirs, StoreNamespace) else theirs
-                raise ValueError(
-                    f"tiers[{i}]: expected a tier of namespace {namespace.hex[:16]}..., got {got!r}"
-                )
+            expected = f"a tier of namespace {namespace.hex[:16]}..."
+            check_store(f"tiers[{i}]", tier, namespace, expected)
         self.names = [f"{i}:{type(t).__name__}" for i, t in enumerate(self.tiers)]
         if names is not None:
             self.names = list(names)
@@ -216,12 +132,11 @@ class StageCache:
                     f"names: expected {len(self.tiers)} distinct non-empty names, got {names!r}"
                 )
         # Every store a job goes to: the tiers, then the stores read across (and how).
-        self._stores = list(self.tiers)
+        self._read_across = AcrossStores(namespace, across)
+        self._stores = self.tiers + self._read_across.stores
         self._across: list[UnitsAcross | None] = [None] * len(self.tiers)
-        self._across_sizes: set[int] = set()  # sizes read across; the refused ones are:
-        self._refused_sizes: set[int] = set()
-        if across is not None:
-            self._add_across(across)
+        self._across += self._read_across.units
+        self.names += self._read_across.names
         self.rows: np.ndarray | None = self._rows(region)
         if isinstance(region, SharedOffloadRegion):  # its units' opaque layers claim the rows
             try:
@@ -237,67 +152,6 @@ class StageCache:
         self._searches: dict[tuple[Hashable, ...], _Search] = {}
         # page -> (generation, tier) of pages filled from a tier: never stored back there.
         self._origin: dict[int, tuple[int, int]] = {}
-
-    def _add_across(self, across: Any) -> None:
-        if not isinstance(across, Mapping):
-            raise TypeError(
-                f"across: expected {{tokens per unit: unit stores}}, got {type(across).__name__}"
-            )
-        for tokens, stores in across.items():
-            check_int("across: tokens per unit", tokens, minimum=1)
-            if tokens == self.namespace.unit_tokens:
-                raise ValueError(
-                    f"across: {tokens} tokens is this stage's own unit size; pass its stores "
-                    "as tiers"
-                )
-            if isinstance(stores, (str, bytes)) or not isinstance(stores, Sequence):
-                raise TypeError(f"across[{tokens}]: expected a sequence of unit stores")
-        readable = {units.tokens: units for units in readable_across(self.namespace, across)}
-        for tokens, stores in across.items():
-            units = readable.get(tokens)
-            if units is None:  # the line saying why was logged
-                self._refused_sizes.add(tokens)
-                continue
-            self._across_sizes.add(tokens)
-            for i, store in enumerate(stores):
-                missing = [m for m in _TIER_METHODS if not callable(getattr(store, m, None))]
-                if missing:
-                    raise TypeError(
-                        f"across[{tokens}][{i}]: expected a unit store, lacks {missing}"
-                    )
-                theirs = getattr(store, "namespace", None)
-                if (
-                    not isinstance(theirs, StoreNamespace)
-                    or theirs.digest != units.namespace.digest
-                ):
-                    got = theirs.hex[:16] + "..." if isinstance(theirs, StoreNamespace) else theirs
-                    raise ValueError(
-                        f"across[{tokens}][{i}]: expected a store of namespace "
-                        f"{units.namespace.hex[:16]}... (the stage's in units of {tokens} "
-                        f"tokens), got {got!r}"
-                    )
-                self._stores.append(store)
-                self._across.append(units)
-                self.names.append(f"across{tokens}:{i}:{type(store).__name__}")
-
-    def _across_keys(self, across_keys: Any) -> dict[int, tuple[Hashable, ...]]:
-        """``across_keys`` checked: {tokens: keys} of the sizes read across."""
-        if across_keys is None:
-            return {}
-        if not isinstance(across_keys, Mapping):
-            raise TypeError(
-                f"across_keys: expected {{tokens per unit: keys}}, got {type(across_keys).__name__}"
-            )
-        out = {}
-        for tokens, keys in across_keys.items():
-            if tokens in self._across_sizes:
-                out[tokens] = tuple(self._hashes(keys, f"across_keys[{tokens}]"))
-            elif tokens not in self._refused_sizes:  # a refused size: its line was logged
-                raise ValueError(
-                    f"across_keys: expected keys of the sizes given as across "
-                    f"{sorted(self._across_sizes | self._refused_sizes)}, got {tokens!r}"
-                )
-        return dict(sorted(out.items()))
 
     def _source_keys(self, store: int, search: _Search, unit: int) -> tuple[Hashable, ...]:
         """What store ``store`` is asked for, from block ``unit`` of the search's sequence on:
@@ -323,18 +177,6 @@ class StageCache:
                 f"stage's layers [{self.first}, {self.end}): {self.row_bytes} bytes), got {shape}"
             )
         return np.frombuffer(flat, dtype=np.uint8).reshape(expected)
-
-    @staticmethod
-    def _hashes(hashes: Any, name: str = "hashes") -> list[Hashable]:
-        if isinstance(hashes, (str, bytes, bytearray, memoryview, int)):
-            raise TypeError(f"{name}: expected a sequence of block hashes, got a single one")
-        out = list(hashes)
-        for i, h in enumerate(out):
-            try:
-                normalize_key(h)
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"{name}[{i}]: {error}") from None
-        return out
 
     def _failed(self, tier: int, what: str) -> None:
         self._counts[tier]["errors"] += 1
@@ -364,8 +206,8 @@ class StageCache:
         sequence in units of that many tokens, first first}). ``pending`` until they answered
         (``timeout``: seconds, None: until then)."""
         self._check_open()
-        hashes = self._hashes(hashes)
-        across = self._across_keys(across_keys)
+        hashes = checked_hashes(hashes)
+        across = self._read_across.keys(across_keys)
         deadline = self._deadline(timeout)
         in_region = self.manager.lookup(hashes)
         rest = tuple(hashes[in_region:])
@@ -453,8 +295,8 @@ class StageCache:
         ready (or free, on a miss) in :meth:`poll`. ``across_keys``: as given to the lookup
         (blocks found across are filled from their source units, split or joined)."""
         self._check_open()
-        hashes = self._hashes(hashes)
-        across = self._across_keys(across_keys)
+        hashes = checked_hashes(hashes)
+        across = self._read_across.keys(across_keys)
         if found is None:
             found = self.lookup(hashes, timeout=timeout, across_keys=across)
         else:
@@ -566,7 +408,7 @@ class StageCache:
         self, hashes: Sequence[Hashable], positions: Sequence[int] | None, *, nearer_only: bool
     ) -> PersistResult:
         self._check_open()
-        hashes = self._hashes(hashes)
+        hashes = checked_hashes(hashes)
         positions = [
             check_int(f"positions[{i}]", p, minimum=0, maximum=(1 << 63) - 1)
             for i, p in enumerate(range(len(hashes)) if positions is None else positions)
