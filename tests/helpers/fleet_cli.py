@@ -3,10 +3,14 @@ real process, as `make demo-engines` does, and reading its one line."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+from helpers.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--preset", "tiny", "--layers", "2"]  # 2 fp16 layers of 8 KV heads x 64: 64 KiB units
@@ -31,3 +35,14 @@ def run_fleet(*args: str, env: dict | None = None, timeout: float = 300) -> dict
     out.update(returncode=result.returncode, stderr=result.stderr, line=lines[0])
     assert (out["verdict"] == "ok") == (result.returncode == 0), (lines[0], result.stderr[-4000:])
     return out
+
+
+@contextlib.contextmanager
+def store_location(kind: str, tmp_path: Path) -> Iterator[str]:
+    """Where the engines' processes share one store: a directory (``"files"``), or the url of a
+    Redis server started under ``tmp_path`` and stopped on exit (``"redis"``)."""
+    if kind == "files":
+        yield str(tmp_path / "store")
+        return
+    with RedisServer(str(tmp_path / "redis")) as server:
+        yield server.url

@@ -7,20 +7,13 @@ unit; the standalone engine at TP=2 loads all of it. Files, then a Redis server.
 from __future__ import annotations
 
 import pytest
-from helpers.fleet_cli import run_fleet
-from helpers.redis_server import RedisServer
+from helpers.fleet_cli import run_fleet, store_location
 
 
 @pytest.fixture(params=["files", "redis"])
 def location(request, tmp_path):
-    if request.param == "files":
-        yield str(tmp_path / "store")
-        return
-    server = RedisServer(str(tmp_path / "redis")).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with store_location(request.param, tmp_path) as where:
+        yield where
 
 
 def test_sglang_and_the_standalone_engine_share_one_prefix(location, tmp_path):

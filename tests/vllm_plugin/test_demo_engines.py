@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers.fleet_cli import MODEL, run_fleet
-from helpers.redis_server import RedisServer
+from helpers.fleet_cli import MODEL, run_fleet, store_location
 
 from canonical_ops.demo import fleet, truth
 from canonical_ops.demo.one_prefix import demo_config
@@ -20,14 +19,8 @@ from canonical_ops.units.unit import key_digest
 
 @pytest.fixture(params=["files", "redis"])
 def location(request, tmp_path):
-    if request.param == "files":
-        yield str(tmp_path / "store")
-        return
-    server = RedisServer(str(tmp_path / "redis")).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with store_location(request.param, tmp_path) as where:
+        yield where
 
 
 def _env(**over) -> dict:
