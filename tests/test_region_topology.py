@@ -352,12 +352,16 @@ def test_bad_claims_are_refused_and_record_nothing(regions: Any) -> None:
         region.claim_rows((2, 1, 1, 1), [])
 
 
-@pytest.mark.parametrize("damage", ["flags", "topology", "range"])
+@pytest.mark.parametrize("damage", ["flags", "topology", "range", "count"])
 def test_a_damaged_claims_record_refuses_every_claim(regions: Any, damage: str) -> None:
     region = regions(2, 1000).rank0  # rank 1 never attaches: the file stays until the close
     if damage == "range":  # one opaque range claimed, then its end overwritten: [0, 0)
         region.claim_rows((4, 1, 1, 1), [RowArea("layer 0", 0, 1000, "opaque")])
         offset, raw = region_module._OPAQUE_OFFSET + 8, struct.pack("<Q", 0)
+    elif damage == "count":  # more foreign ranges than their table (the header's end) holds
+        region.claim_rows((4, 1, 1, 1), [RowArea("layer 0", 0, 1000, "opaque")])
+        count_at = region_module._HEADER.size + claims_module.RECORD_BYTES - 2
+        offset, raw = count_at, struct.pack("<H", claims_module.MAX_RANGES + 1)
     else:  # unknown flag bits, or "claimed" at topology (0, 0, 0, 0)
         offset, raw = (
             region_module._HEADER.size,

@@ -126,10 +126,10 @@ class RowClaims:
         flags, zero, *fields = _CLAIMS.unpack_from(record)
         topologies, counts = fields[:8], fields[8:]
         tables = []
-        for offset, count in zip(_TABLES, counts):
-            count = min(count, MAX_RANGES + 1)
+        for offset, count in zip(_TABLES, counts):  # a table holds MAX_RANGES, no more
+            entries = range(min(count, MAX_RANGES))
             tables.append(
-                [_RANGE.unpack_from(tables_raw, offset + i * _RANGE.size) for i in range(count)]
+                [_RANGE.unpack_from(tables_raw, offset + i * _RANGE.size) for i in entries]
             )
         claimed = tuple(topologies[:4]) if flags & _CLAIMED else None
         other = tuple(topologies[4:]) if flags & _FOREIGN else None
@@ -141,10 +141,8 @@ class RowClaims:
             claimed is None and any(topologies[:4]),
             other is None and any(topologies[4:]),
             claimed is None and (other or claims.opaque or claims.canonical),
-            any(
-                len(t) > MAX_RANGES or not all(0 <= s < e <= row_bytes for s, e in t)
-                for t in tables
-            ),
+            any(count > MAX_RANGES for count in counts),
+            any(not all(0 <= s < e <= row_bytes for s, e in t) for t in tables),
         )
         claims.damaged = any(problems)
         return claims
