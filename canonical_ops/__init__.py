@@ -15,14 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._extension import BUILT_WITH_CUDA
     from .checks import check_ids, check_int
     from .engine.cache import StageCache, pp_layer_range, pp_layer_ranges
+    from .engine.claims import RegionTopologyError, RowArea
     from .engine.pages import PageCapacityError, PageManager, PageState, PageStateError
-    from .engine.region import (
-        RegionSpaceError,
-        RegionTopologyError,
-        RowArea,
-        SharedOffloadRegion,
-        region_path,
-    )
+    from .engine.region import RegionSpaceError, SharedOffloadRegion, region_path
     from .engine.worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
     from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
     from .plan import default_area_offsets, make_plan
