@@ -468,19 +468,20 @@ bool write_full(int fd, const struct iovec* iov_in, int count, off_t offset) {
 #define __NR_cachestat 451
 #endif
 
-// Whether the page cache holds all of [0, size) of fd, asked without side effects
-// (cachestat, Linux 6.5); false when the kernel cannot say.
-bool fully_cached(int fd, size_t size) {
+// Pages of [0, size) of fd the page cache holds, asked without side effects (cachestat,
+// Linux 6.5); -1 when the kernel cannot say.
+long cached_pages(int fd, size_t size) {
   struct {
     uint64_t off, len;
   } range = {0, size};
   struct {
     uint64_t cache, dirty, writeback, evicted, recently_evicted;
   } stat = {};
-  static const long page = sysconf(_SC_PAGESIZE);
-  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return false;
-  return stat.cache >= (size + page - 1) / page;
+  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return -1;
+  return static_cast<long>(stat.cache);
 }
+
+const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
 
 // A batch item: where its unit is, the header it has (to write) or must have (to read:
 // position 0, checksum zeroed), its bytes (payload to store, or destination of payload
@@ -524,10 +525,18 @@ struct LoadItem : Item {
   }
 };
 
+// Which units a load reads with O_DIRECT (where the file system allows it; else buffered).
+enum Direct : int {
+  DIRECT_NEVER = 0,     // none: every unit through the page cache
+  DIRECT_UNCACHED = 1,  // every unit the page cache does not hold whole (direct_io)
+  DIRECT_COLD = 2,      // every unit the page cache holds none of (the default)
+};
+
 struct LoadOptions {
   Perms perms;
   size_t piece = 0, bounce = 0;
-  bool nowait = true, direct = false;
+  bool nowait = true;
+  int direct = DIRECT_NEVER;
   long long now_ns = 0, granularity_ns = 0;
 };
 
@@ -611,7 +620,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   // Read [pos, pos + n) into this thread's buffer (may block: never into caller memory),
   // hash it there piece by piece and copy the wanted part under the claim.
   int buffered_piece(size_t pos, size_t n) {
-    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
+    if (opt.direct == DIRECT_UNCACHED && !direct_on && pos % kAlign == 0) {  // O_DIRECT from here
       int flags = fcntl(fd, F_GETFL);
       direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
     }
@@ -672,10 +681,24 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     // A failed RWF_NOWAIT read starts readahead: for buffered reads the head start they
     // need; before an O_DIRECT read the device would read the unit twice. So with
     // O_DIRECT, try the page cache only when cachestat() says it holds the whole unit.
-    bool cached = opt.nowait && (!opt.direct || fully_cached(fd, total));
+    // What the page cache holds of the unit (cachestat; -1: the kernel cannot say) decides
+    // how it is read: all of it, from there (RWF_NOWAIT into the destination); none of it
+    // (DIRECT_COLD) or not all (DIRECT_UNCACHED), by O_DIRECT into the aligned buffer where
+    // the file system allows it: the device writes the bytes once, we hash and stream them
+    // once, and no page-cache page is made for a unit that will not be read again soon.
+    const long held = cached_pages(fd, total);
+    const bool whole = held >= static_cast<long>(round_up(total, kPage) / kPage);
+    bool direct = opt.direct == DIRECT_UNCACHED ? !whole : opt.direct == DIRECT_COLD && held == 0;
+    if (direct) {
+      int flags = fcntl(fd, F_GETFL);
+      direct = direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+    }
+    // A failed RWF_NOWAIT read starts readahead: the head start buffered reads need, but
+    // wasted on a unit read with O_DIRECT. So try the page cache unless reading directly.
+    bool cached = opt.nowait && !direct;
     // A buffered unit the page cache does not hold whole: ask for all of it at once, so the
     // device reads it in requests as large as the unit rather than readahead windows.
-    if (cached && !opt.direct && !fully_cached(fd, total))
+    if (cached && !whole)
       posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
@@ -792,10 +815,10 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
         if (pos == 0) memcpy(first, buf, kAlign);
         struct iovec one = {buf, padded};
         if (!write_full(fd, &one, 1, static_cast<off_t>(pos))) return false;
-      } else {  // written from the caller's memory, then hashed there (now in cache)
-        if (!write_full(fd, iov, count, static_cast<off_t>(pos))) return false;
+      } else {  // hashed in the caller's memory (pulling the chunk into L2), then written from there
         for (int i = 0; i < count; ++i)
           if (!hasher.update(iov[i].iov_base, iov[i].iov_len)) return false;
+        if (!write_full(fd, iov, count, static_cast<off_t>(pos))) return false;
       }
       pos += n;
       if (!hook.call("write", "tmp", item.temp, static_cast<long long>(pos))) return false;
@@ -936,6 +959,8 @@ PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, P
 
 const char load_doc[] =
     "load(state, items, perms, piece, bounce, nowait, direct, now_ns, granularity_ns, hook)\n"
+    "direct: which units are read with O_DIRECT: DIRECT_NEVER, DIRECT_UNCACHED (not wholly\n"
+    "in the page cache) or DIRECT_COLD (none of it there).\n"
     "items: [(fan_fd, kd, name, header, dest, lo, hi, mac or None)]; one (status, errno,\n"
     "reason, header read or None, st_dev, st_ino) per item. The GIL is released throughout.";
 
@@ -944,9 +969,14 @@ PyObject* py_load(PyObject*, PyObject* args) {
   Py_ssize_t piece, bounce;
   int nowait, direct;
   long long now_ns, granularity_ns;
-  if (!PyArg_ParseTuple(args, "OO!OnnppLLO", &state_obj, &PyList_Type, &items_obj, &perms_obj,
+  if (!PyArg_ParseTuple(args, "OO!OnnpiLLO", &state_obj, &PyList_Type, &items_obj, &perms_obj,
                         &piece, &bounce, &nowait, &direct, &now_ns, &granularity_ns, &hook_obj))
     return nullptr;
+  if (direct < DIRECT_NEVER || direct > DIRECT_COLD) {
+    PyErr_SetString(PyExc_ValueError,
+                    "direct: expected DIRECT_NEVER, DIRECT_UNCACHED or DIRECT_COLD (0, 1, 2)");
+    return nullptr;
+  }
   std::atomic<int>* state = job_word(state_obj);
   if (state == nullptr) return nullptr;
   LoadOptions opt;
@@ -957,7 +987,7 @@ PyObject* py_load(PyObject*, PyObject* args) {
     return nullptr;
   }
   opt.piece = static_cast<size_t>(piece), opt.bounce = static_cast<size_t>(bounce);
-  opt.nowait = nowait != 0, opt.direct = direct != 0;
+  opt.nowait = nowait != 0, opt.direct = direct;
   opt.now_ns = now_ns, opt.granularity_ns = granularity_ns;
   Py_ssize_t count = PyList_GET_SIZE(items_obj);
   std::vector<LoadItem> items(static_cast<size_t>(count));
@@ -1075,7 +1105,10 @@ PyMODINIT_FUNC PyInit__unitio(void) {
                    {"ERROR", ERROR},
                    {"EXISTS", EXISTS},
                    {"LOST", LOST},
-                   {"SKIPPED", SKIPPED}};
+                   {"SKIPPED", SKIPPED},
+                   {"DIRECT_NEVER", DIRECT_NEVER},
+                   {"DIRECT_UNCACHED", DIRECT_UNCACHED},
+                   {"DIRECT_COLD", DIRECT_COLD}};
   for (const auto& c : constants)
     if (PyModule_AddIntConstant(m, c.name, c.value) < 0) {
       Py_DECREF(m);
