@@ -1,12 +1,11 @@
 """Verified loads (issue 30 item 4): whatever path a load takes (RWF_NOWAIT pieces from the
 page cache, or a device read into the batch's buffer hashed and streamed on a 4 KiB block at a
-time, buffered or O_DIRECT), a byte flipped on disk, a unit rewritten or truncated by another
+time, buffered or O_DIRECT; a batch's later units asked for ahead), a byte flipped on disk, a unit rewritten or truncated by another
 process, a unit read again after its page-cache pages were dropped: each is a miss
 (quarantined), never a load. And the streamed copies land exactly, at any alignment."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from helpers.store import child_env, row, small_namespace, unit_files
 
 from canonical_ops.units import FileStore
 from canonical_ops.units import files as files_mod
+from canonical_ops.units.unit import key_digest
 
 # 64 layers of 16 KiB: a 1 MiB payload, many 4 KiB blocks and four 256 KiB pieces.
 NS = small_namespace(64, head_size=64, block_size=16)
@@ -88,14 +88,11 @@ def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
 
 @pytest.mark.parametrize("shift", [0, 1, 3, 60], ids=lambda s: f"dest+{s}")
 @pytest.mark.parametrize("layers", [(0, 64), (1, 63), (17, 18)], ids=lambda r: f"{r[0]}-{r[1]}")
-@pytest.mark.parametrize("path", ["page cache", "device", "device buffered", "O_DIRECT"])
+@pytest.mark.parametrize("path", ["page cache", "device", "O_DIRECT"])
 def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers, shift):
     """Whole or partial ranges, into destinations at any alignment (the streamed copy's
-    head and tail): exactly the stored bytes, and nothing around them. "device": a unit the
-    page cache holds none of (O_DIRECT where the file system allows it); "device buffered":
-    the same read through the page cache."""
+    head and tail): exactly the stored bytes, and nothing around them."""
     first, end = layers
-    monkeypatch.setattr(files_mod, "_COLD_DIRECT", path != "device buffered")
     store, unit = stored(tmp_path, direct_io=path == "O_DIRECT")
     with store:
         (warm if path == "page cache" else drop_cache)(unit)
@@ -109,46 +106,39 @@ def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers
         assert "read" in seen if path != "page cache" else layers != (0, 64) or seen == []
 
 
-def cached_pages(path: str) -> int | None:
-    """Pages of ``path`` in the page cache (cachestat, Linux 6.5); None where it is missing."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    span = (ctypes.c_uint64 * 2)(0, os.path.getsize(path))
-    stat = (ctypes.c_uint64 * 5)()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.syscall(451, fd, span, stat, 0) != 0:
-            return None
-    finally:
-        os.close(fd)
-    return stat[0]
-
-
-@pytest.mark.parametrize("cold_direct", [True, False], ids=["cold O_DIRECT", "buffered"])
-def test_a_unit_none_of_which_is_cached_is_read_past_the_page_cache(
-    tmp_path, monkeypatch, cold_direct
-):
-    """A unit the page cache holds none of is read with O_DIRECT (the device writes the
-    aligned buffer, no page-cache page is made for it); one it holds part of, and any unit
-    with ``_COLD_DIRECT`` off, through the page cache. Right bytes either way."""
-    monkeypatch.setattr(files_mod, "_COLD_DIRECT", cold_direct)
-    store, path = stored(tmp_path)
+@pytest.mark.parametrize("state", ["cold", "warm", "direct_io"])
+def test_a_batch_asks_for_its_later_units_ahead_of_their_reads(tmp_path, monkeypatch, state):
+    """Buffered loads of units the page cache does not hold: the batch asks for the next
+    16 MiB of units (WILLNEED) before it reads the first, and the rest as it goes, so the
+    device reads them while earlier ones are hashed and copied; none for units all cached,
+    none with direct_io (read O_DIRECT). Every unit loads right."""
+    store = FileStore(tmp_path, NS, fsync=False, direct_io=state == "direct_io")
     with store:
-        if cached_pages(path) is None:
-            pytest.skip("cachestat (Linux 6.5) is missing: every unit is read buffered")
-        with FileStore(tmp_path / "probe", NS, fsync=False, direct_io=True) as probe:
-            if not probe.direct_io:
-                pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT: read buffered")
-        dest = np.zeros(NS.total_bytes, np.uint8)
-        drop_cache(path)
-        assert cached_pages(path) == 0
-        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
-        assert (cached_pages(path) == 0) is cold_direct
-        drop_cache(path)
-        with open(path, "rb") as f:
-            f.read(4096)  # part of it cached: read through the page cache, all of it
-        dest[:] = 0
-        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
-        assert cached_pages(path) == -(-os.path.getsize(path) // 4096)
+        for key in range(20):  # 1 MiB payloads: 16 fit the window
+            assert store.store(key, 0, row(NS, key), 0).ok
+        paths = unit_files(store)
+        for path in paths:
+            (warm if state == "warm" else drop_cache)(path)
+        seen: list[tuple[str, str]] = []
+        stages(monkeypatch, lambda stage, path: seen.append((stage, path)))
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(20)]
+        job = store.loads([(key, 0, 64, dest) for key, dest in zip(range(20), dests)])
+        assert job.ok and all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
+        asked = [path for stage, path in seen if stage == "prefetch"]
+        if state != "cold":
+            assert asked == []
+            return
+        by_key = {key: store_path(store, key) for key in range(20)}
+        assert sorted(by_key.values()) == sorted(paths)
+        assert asked == [by_key[key] for key in range(1, 20)]  # each once, in batch order
+        first_read = next(i for i, (stage, _) in enumerate(seen) if stage == "read")
+        assert seen[:first_read] == [("prefetch", by_key[key]) for key in range(1, 17)]
+
+
+def store_path(store: FileStore, key: int) -> str:
+    """The file of ``key``'s unit of every layer."""
+    kd = key_digest(key)
+    return os.path.join(store.directory, kd[:2], kd, "0-64.ckv")
 
 
 # ---------------------------------------------------------------------- a shortcut keeps the guarantee
@@ -167,13 +157,11 @@ def test_a_byte_flipped_on_disk_is_a_miss_from_the_page_cache(tmp_path, monkeypa
         assert is_a_miss(store) and seen == []  # RWF_NOWAIT: from the page cache
 
 
-@pytest.mark.parametrize("mode", ["buffered", "cold O_DIRECT", "O_DIRECT"])
-def test_a_byte_flipped_then_read_again_from_the_device_is_a_miss(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+def test_a_byte_flipped_then_read_again_from_the_device_is_a_miss(tmp_path, monkeypatch, direct):
     """The unit's pages were dropped from the page cache (after a load from it) and read
-    again, a byte flipped meanwhile: the device's bytes are verified too, whichever way
-    they are read (buffered, O_DIRECT as a unit none of which is cached, direct_io)."""
-    monkeypatch.setattr(files_mod, "_COLD_DIRECT", mode != "buffered")
-    store, path = stored(tmp_path, direct_io=mode == "O_DIRECT")
+    again, a byte flipped meanwhile: the device's bytes are verified too."""
+    store, path = stored(tmp_path, direct_io=direct)
     with store:
         assert store.load(7, 0, 64, np.zeros(NS.total_bytes, np.uint8)).ok  # warm, fine
         flip(path, HEADER_BYTES + 123_457)
@@ -200,15 +188,14 @@ def test_a_unit_rewritten_by_another_process_while_read_is_a_miss(tmp_path, monk
         assert is_a_miss(store) and flipped == [path]
 
 
-@pytest.mark.parametrize("mode", ["buffered", "cold O_DIRECT", "O_DIRECT"])
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
 @pytest.mark.parametrize("keep", [0, 100, HEADER_BYTES + 5000, HEADER_BYTES + 300_000])
 def test_a_unit_truncated_by_another_process_while_read_is_a_miss(
-    tmp_path, monkeypatch, keep, mode
+    tmp_path, monkeypatch, keep, direct
 ):
     """The unit shrinks between the size check and the read: a short read, a miss, and
     the next unit loads."""
-    monkeypatch.setattr(files_mod, "_COLD_DIRECT", mode != "buffered")
-    store, path = stored(tmp_path, direct_io=mode == "O_DIRECT")
+    store, path = stored(tmp_path, direct_io=direct)
     with store:
         assert store.store(8, 0, row(NS, 8), 0).ok
         drop_cache(path)

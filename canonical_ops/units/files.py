@@ -44,7 +44,6 @@ _IO_CHUNK_BYTES = 1 << 20  # bytes hashed then written per write (crash tests ma
 _PIECE_BYTES = 256 << 10  # bytes read and hashed per step (from the page cache: in place)
 _BOUNCE_BYTES = 4 << 20  # bytes read or written at once with O_DIRECT (an aligned buffer)
 _NOWAIT = True  # try the page cache first (RWF_NOWAIT); tests turn it off
-_COLD_DIRECT = True  # a unit the page cache holds none of: O_DIRECT; tests turn it off
 # Test hook(stage, path, bytes): after each write ("write"), before the rename ("publish"),
 # before each read that may block ("read"): tests stop or slow a worker there.
 _test_hook: Callable[[str, str, int], None] | None = None
@@ -111,9 +110,8 @@ class FileStore(UnitStore):
     None: no deadline), or a shared ``pool`` (whose deadline applies). ``fsync``: sync
     data and directories before a unit counts (False: crash safe, not power-loss safe; a
     torn unit is a miss, never a load). ``direct_io``: O_DIRECT writes, and O_DIRECT
-    reads of a unit the page cache does not hold whole (one it holds is read from it), where
-    the file system allows O_DIRECT (``store.direct_io`` says what is used); without it, a
-    unit the page cache holds none of is read with O_DIRECT (where allowed), others buffered.
+    reads of a unit the page cache does not hold (one it holds is read from it), where the
+    file system allows O_DIRECT (``store.direct_io`` says what is used).
     ``group_shared``: dirs 0770 / files 0660 and group-owned dirs trusted (default 0700 /
     0600, this user's only). ``secret``: authenticated units (:mod:`.auth`).
     ``recency_granularity_s``: eviction's recency buckets; ``stale_tmp_s``: age after
@@ -453,12 +451,6 @@ class FileStore(UnitStore):
             todo = sorted(retry)
         return out
 
-    def _direct_reads(self) -> int:
-        """Which units loads read with O_DIRECT (the native ``direct`` mode)."""
-        if self.direct_io:
-            return _unitio.DIRECT_UNCACHED
-        return _unitio.DIRECT_COLD if _COLD_DIRECT else _unitio.DIRECT_NEVER
-
     def _native_load(self, items: list[tuple]) -> list[tuple]:
         return _unitio.load(
             current_job()._state,
@@ -467,7 +459,7 @@ class FileStore(UnitStore):
             _PIECE_BYTES,
             _BOUNCE_BYTES,
             _NOWAIT,
-            self._direct_reads(),
+            self.direct_io,
             time.time_ns(),
             self._policy.granularity_ns,
             self._hook(),

@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #define XXH_STATIC_LINKING_ONLY
@@ -83,8 +84,9 @@ enum Status : int {
 
 constexpr int kAlign = 4096;  // O_DIRECT offsets, lengths and buffers
 constexpr size_t kMaxHeader = 96 + 1024;
-constexpr size_t kStep = 256 << 10;  // bytes copied then hashed at once: they stay in L2
-constexpr size_t kBlock = 4096;      // bytes hashed then streamed at once: they stay in L1
+constexpr size_t kStep = 256 << 10;          // bytes copied then hashed at once: they stay in L2
+constexpr size_t kBlock = 4096;              // bytes hashed then streamed at once: they stay in L1
+constexpr size_t kPrefetchBytes = 16 << 20;  // a batch's units asked for ahead of their reads
 
 // ----------------------------------------------------------------- the job state word
 
@@ -525,18 +527,10 @@ struct LoadItem : Item {
   }
 };
 
-// Which units a load reads with O_DIRECT (where the file system allows it; else buffered).
-enum Direct : int {
-  DIRECT_NEVER = 0,     // none: every unit through the page cache
-  DIRECT_UNCACHED = 1,  // every unit the page cache does not hold whole (direct_io)
-  DIRECT_COLD = 2,      // every unit the page cache holds none of (the default)
-};
-
 struct LoadOptions {
   Perms perms;
   size_t piece = 0, bounce = 0;
-  bool nowait = true;
-  int direct = DIRECT_NEVER;
+  bool nowait = true, direct = false;
   long long now_ns = 0, granularity_ns = 0;
 };
 
@@ -544,6 +538,26 @@ struct LoadOptions {
 bool header_matches(const unsigned char* got, const unsigned char* want, size_t hl) {
   return memcmp(got, want, 32) == 0 && got[39] < 0x80 && memcmp(got + 40, want + 40, 40) == 0 &&
          memcmp(got + 96, want + 96, hl - 96) == 0;
+}
+
+// Ask the page cache for a unit the batch reads later (WILLNEED, unless all of it is there),
+// so that its device reads run while the units before it are hashed and copied.
+void prefetch(const LoadItem& item, const LoadOptions& opt, Hook& hook) {
+  int status = OK, err = 0;
+  int kfd = open_dir(item.fan, item.kd, opt.perms, false, false, &status, &err);
+  if (kfd < 0) return;
+  int fd = openat(kfd, item.name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  close(kfd);
+  if (fd < 0) return;
+  struct stat st;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+      cached_pages(fd, st.st_size) < static_cast<long>(round_up(st.st_size, kPage) / kPage)) {
+    char dir[80];
+    snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
+    if (hook.call("prefetch", dir, item.name, st.st_size))
+      posix_fadvise(fd, 0, st.st_size, POSIX_FADV_WILLNEED);
+  }
+  close(fd);
 }
 
 // What a unit's reader or writer works with: its item and the batch's options, the job's
@@ -620,7 +634,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   // Read [pos, pos + n) into this thread's buffer (may block: never into caller memory),
   // hash it there piece by piece and copy the wanted part under the claim.
   int buffered_piece(size_t pos, size_t n) {
-    if (opt.direct == DIRECT_UNCACHED && !direct_on && pos % kAlign == 0) {  // O_DIRECT from here
+    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
       int flags = fcntl(fd, F_GETFL);
       direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
     }
@@ -678,28 +692,16 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     hl = item.head.len;
     total = hl + item.payload_length();
     size_t pos = 0;
-    // A failed RWF_NOWAIT read starts readahead: for buffered reads the head start they
-    // need; before an O_DIRECT read the device would read the unit twice. So with
-    // O_DIRECT, try the page cache only when cachestat() says it holds the whole unit.
     // What the page cache holds of the unit (cachestat; -1: the kernel cannot say) decides
-    // how it is read: all of it, from there (RWF_NOWAIT into the destination); none of it
-    // (DIRECT_COLD) or not all (DIRECT_UNCACHED), by O_DIRECT into the aligned buffer where
-    // the file system allows it: the device writes the bytes once, we hash and stream them
-    // once, and no page-cache page is made for a unit that will not be read again soon.
-    const long held = cached_pages(fd, total);
-    const bool whole = held >= static_cast<long>(round_up(total, kPage) / kPage);
-    bool direct = opt.direct == DIRECT_UNCACHED ? !whole : opt.direct == DIRECT_COLD && held == 0;
-    if (direct) {
-      int flags = fcntl(fd, F_GETFL);
-      direct = direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
-    }
-    // A failed RWF_NOWAIT read starts readahead: the head start buffered reads need, but
-    // wasted on a unit read with O_DIRECT. So try the page cache unless reading directly.
-    bool cached = opt.nowait && !direct;
-    // A buffered unit the page cache does not hold whole: ask for all of it at once, so the
-    // device reads it in requests as large as the unit rather than readahead windows.
-    if (cached && !whole)
-      posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
+    // how it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all,
+    // with direct_io: O_DIRECT into the aligned buffer (a failed RWF_NOWAIT read starts
+    // readahead: the device would read the unit twice). Not all, buffered: the kernel is
+    // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead
+    // windows), then each piece comes from the page cache once there, else is waited for
+    // alone (read into the buffer); the next piece tries the page cache again.
+    const bool whole = cached_pages(fd, total) >= static_cast<long>(round_up(total, kPage) / kPage);
+    bool cached = opt.nowait && (!opt.direct || whole);
+    if (cached && !whole) posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
       if (cached) {
@@ -709,7 +711,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
           pos += n;
           continue;
         }
-        cached = !tried;  // not in the page cache: the rest from the device
+        cached = !tried || !opt.direct;  // not there: with direct_io, the rest O_DIRECT
       }
       if (!cached) n = std::min(opt.bounce, total - pos);
       if (int status = buffered_piece(pos, n); status != OK) return status;
@@ -815,7 +817,8 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
         if (pos == 0) memcpy(first, buf, kAlign);
         struct iovec one = {buf, padded};
         if (!write_full(fd, &one, 1, static_cast<off_t>(pos))) return false;
-      } else {  // hashed in the caller's memory (pulling the chunk into L2), then written from there
+      } else {  // hashed in the caller's memory (pulling the chunk into L2), then written from
+                // there
         for (int i = 0; i < count; ++i)
           if (!hasher.update(iov[i].iov_base, iov[i].iov_len)) return false;
         if (!write_full(fd, iov, count, static_cast<off_t>(pos))) return false;
@@ -935,7 +938,21 @@ PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, P
   gil.drop();
   {
     Lease buffer;
-    for (auto& it : items) {
+    size_t ahead = 1;  // items[ahead:] not asked for yet
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto& it = items[i];
+      if constexpr (std::is_same_v<Work, UnitReader>) {
+        // Buffered loads ask for the units of the next kPrefetchBytes (at least one) ahead.
+        size_t bytes = 0;
+        for (size_t k = i + 1; k < ahead; ++k) bytes += items[k].payload_length();
+        for (; opt.nowait && !opt.direct && ahead < items.size() &&
+               (ahead == i + 1 || bytes + items[ahead].payload_length() <= kPrefetchBytes);
+             ++ahead) {
+          bytes += items[ahead].payload_length();
+          prefetch(items[ahead], opt, hook);
+        }
+        if (gil.failed) break;
+      }
       Work worker{{it, opt, state, hook, buffer}};
       worker.hasher.mac = it.mac, worker.hasher.gil = &gil;
       it.status = worker.run();
@@ -959,8 +976,6 @@ PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, P
 
 const char load_doc[] =
     "load(state, items, perms, piece, bounce, nowait, direct, now_ns, granularity_ns, hook)\n"
-    "direct: which units are read with O_DIRECT: DIRECT_NEVER, DIRECT_UNCACHED (not wholly\n"
-    "in the page cache) or DIRECT_COLD (none of it there).\n"
     "items: [(fan_fd, kd, name, header, dest, lo, hi, mac or None)]; one (status, errno,\n"
     "reason, header read or None, st_dev, st_ino) per item. The GIL is released throughout.";
 
@@ -969,14 +984,9 @@ PyObject* py_load(PyObject*, PyObject* args) {
   Py_ssize_t piece, bounce;
   int nowait, direct;
   long long now_ns, granularity_ns;
-  if (!PyArg_ParseTuple(args, "OO!OnnpiLLO", &state_obj, &PyList_Type, &items_obj, &perms_obj,
+  if (!PyArg_ParseTuple(args, "OO!OnnppLLO", &state_obj, &PyList_Type, &items_obj, &perms_obj,
                         &piece, &bounce, &nowait, &direct, &now_ns, &granularity_ns, &hook_obj))
     return nullptr;
-  if (direct < DIRECT_NEVER || direct > DIRECT_COLD) {
-    PyErr_SetString(PyExc_ValueError,
-                    "direct: expected DIRECT_NEVER, DIRECT_UNCACHED or DIRECT_COLD (0, 1, 2)");
-    return nullptr;
-  }
   std::atomic<int>* state = job_word(state_obj);
   if (state == nullptr) return nullptr;
   LoadOptions opt;
@@ -987,7 +997,7 @@ PyObject* py_load(PyObject*, PyObject* args) {
     return nullptr;
   }
   opt.piece = static_cast<size_t>(piece), opt.bounce = static_cast<size_t>(bounce);
-  opt.nowait = nowait != 0, opt.direct = direct;
+  opt.nowait = nowait != 0, opt.direct = direct != 0;
   opt.now_ns = now_ns, opt.granularity_ns = granularity_ns;
   Py_ssize_t count = PyList_GET_SIZE(items_obj);
   std::vector<LoadItem> items(static_cast<size_t>(count));
@@ -1105,10 +1115,7 @@ PyMODINIT_FUNC PyInit__unitio(void) {
                    {"ERROR", ERROR},
                    {"EXISTS", EXISTS},
                    {"LOST", LOST},
-                   {"SKIPPED", SKIPPED},
-                   {"DIRECT_NEVER", DIRECT_NEVER},
-                   {"DIRECT_UNCACHED", DIRECT_UNCACHED},
-                   {"DIRECT_COLD", DIRECT_COLD}};
+                   {"SKIPPED", SKIPPED}};
   for (const auto& c : constants)
     if (PyModule_AddIntConstant(m, c.name, c.value) < 0) {
       Py_DECREF(m);
