@@ -29,7 +29,7 @@ from .jobs import JobOutcome, JobPool, current_job
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy
 from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
-from .unit import CorruptUnit, header_length, key_digest, start_unit
+from .unit import CorruptUnit, header_length, key_digest, pack_header
 from .unitfile import UNIT_NAME, Found, check_unit, iter_units
 
 __all__ = ["NAMESPACE_FILE", "FileStore", "GcReport", "StoreMetrics", "StoreRootError"]
@@ -280,7 +280,7 @@ class FileStore(UnitStore):
             try:
                 if cap is not None and size > cap:
                     raise OSError(errno.EFBIG, f"unit of {size} bytes exceeds capacity_bytes={cap}")
-                head = start_unit(self.namespace, req.raw_key, req.first, req.end, req.position)
+                head = pack_header(self.namespace, req.raw_key, req.first, req.end, req.position)
                 fan = self._dirs.get(req.kd[:2], create=True)
                 tmp = self._dirs.get("tmp", create=True)
                 if not self._described:
@@ -289,7 +289,7 @@ class FileStore(UnitStore):
                 out[i] = self._store_failed(error)
                 continue
             name, mac = f"{req.first}-{req.end}.ckv", unitfile.mac(self.namespace)
-            items.append((fan, req.kd, name, head[0], req.payload, mac))
+            items.append((fan, req.kd, name, head, req.payload, mac))
             batch.append(i)
             reserve += 0 if (req.kd, req.first, req.end) in self._policy else size
         if not batch:
@@ -429,9 +429,12 @@ class FileStore(UnitStore):
                 unitfile.load_item(ns, reqs[i], e.first, e.end, self._dirs.fan(e.kd))
                 for i, e in plan
             ]
-            results, retry = self._native_load(items) if items else [], set()
+            results, retry, used = self._native_load(items) if items else [], set(), []
             for (i, e), result in zip(plan, results):
                 if i in retry or out[i] is not None:
+                    continue
+                if result[0] == _unitio.OK:
+                    used.append(e)
                     continue
                 try:
                     problem = self._loaded(reqs[i], e, result)
@@ -439,15 +442,20 @@ class FileStore(UnitStore):
                     self._count("misses")
                     out[i] = JobOutcome("error", detail=f"read failed: {error}", error=error)
                     continue
-                if problem:
-                    bad[i].add(e.ident)
-                    why[i].append(f"{e.first}-{e.end} {problem}")
-                    retry.add(i)
-            units = collections.Counter(i for i, _ in plan)
+                bad[i].add(e.ident)
+                why[i].append(f"{e.first}-{e.end} {problem}")
+                retry.add(i)
+            now = time.time_ns()
+            with self._lock:  # recency of the units read, at once
+                for e in used:
+                    self._policy.touch(e, now)
+            units, hits, loaded, nbytes = collections.Counter(i for i, _ in plan), 0, 0, 0
             for i in units.keys() - retry:
                 if out[i] is None:
-                    self._count("hits", units_loaded=units[i], bytes_loaded=len(reqs[i].dest))
+                    hits, loaded, nbytes = hits + 1, loaded + units[i], nbytes + len(reqs[i].dest)
                     out[i] = JobOutcome("ok", nbytes=len(reqs[i].dest), detail="; ".join(why[i]))
+            if hits:
+                self._count("hits", hits, units_loaded=loaded, bytes_loaded=nbytes)
             todo = sorted(retry)
         return out
 
@@ -466,13 +474,9 @@ class FileStore(UnitStore):
         )
 
     def _loaded(self, req: LoadReq, entry: Entry, result: tuple) -> str:
-        """ "" when ``entry`` was read and verified; else why not (a bad unit quarantined).
-        ``OSError`` on an I/O error; ``RuntimeError`` when the job expired."""
+        """Why ``entry`` was not read and verified (a bad unit quarantined). ``OSError`` on
+        an I/O error; ``RuntimeError`` when the job expired."""
         status, err, reason, head, dev, ino = result
-        if status == _unitio.OK:
-            with self._lock:
-                self._policy.touch(entry, time.time_ns())
-            return ""
         if status in (_unitio.EXPIRED, _unitio.SKIPPED):
             raise RuntimeError("load expired: its destination is not written")
         if status == _unitio.ERROR:

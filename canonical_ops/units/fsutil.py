@@ -221,10 +221,13 @@ class Dirs:
 
     def fan(self, kd: str) -> int:
         """Key digest ``kd``'s fan-out directory, or -1 when missing or unsafe."""
-        with contextlib.suppress(StoreRootError):
-            if (fd := self.get(kd[:2])) is not None:
-                return fd
-        return -1
+        if (fd := self._fds.get(kd[:2])) is not None:  # the hot path: opened before
+            return fd
+        try:
+            fd = self.get(kd[:2])
+        except StoreRootError:
+            return -1
+        return -1 if fd is None else fd
 
     def keydir(self, kd: str, *, create: bool = False) -> int | None:
         """A key's directory (the caller closes it); None when missing."""

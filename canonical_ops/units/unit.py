@@ -64,6 +64,7 @@ __all__ = [
     "header_length",
     "key_digest",
     "normalize_key",
+    "pack_header",
     "peek_header",
     "start_unit",
     "verify_payload",
@@ -245,14 +246,20 @@ def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: in
     return fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
 
 
+def pack_header(namespace: StoreNamespace, key: Any, first: int, end: int, position: int) -> bytes:
+    """A unit's header with its checksum zeroed (what the native I/O writes and expects)."""
+    check_type("namespace", namespace, StoreNamespace).layer_bytes(first, end)  # checks them
+    if type(position) is not int or not 0 <= position <= MAX_POSITION:
+        position = check_int("position", position, minimum=0, maximum=MAX_POSITION)
+    return _pack(namespace, normalize_key(key), int(first), int(end), position)
+
+
 def start_unit(
     namespace: StoreNamespace, key: Any, first: int, end: int, position: int
 ) -> tuple[bytes, Any]:
     """A unit's header with its checksum zeroed, and a hasher that has taken it: feed it
     the payload, then the header is ``head[:80] + hasher.digest() + head[96:]``."""
-    check_type("namespace", namespace, StoreNamespace).layer_bytes(first, end)  # checks them
-    position = check_int("position", position, minimum=0, maximum=MAX_POSITION)
-    head = _pack(namespace, normalize_key(key), int(first), int(end), position)
+    head = pack_header(namespace, key, first, end, position)
     return head, _hashing(namespace, head)
 
 

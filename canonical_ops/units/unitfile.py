@@ -119,7 +119,7 @@ def mac(namespace: StoreNamespace) -> Any:
 def load_item(ns: StoreNamespace, req: LoadReq, first: int, end: int, fan: int) -> tuple:
     """The native load of unit ``[first, end)`` for ``req``: where it is, the header it must
     have and which part of its payload goes to which part of the destination."""
-    head, _ = _unit.start_unit(ns, req.raw_key, first, end, 0)
+    head = _unit.pack_header(ns, req.raw_key, first, end, 0)
     if (req.first, req.end) == (first, end):  # the usual case: the whole unit is wanted
         lo, hi, dest = 0, len(req.dest), req.dest
     else:
@@ -128,7 +128,7 @@ def load_item(ns: StoreNamespace, req: LoadReq, first: int, end: int, fan: int) 
         lo, hi = offsets[a - first], offsets[b - first]
         base = ns.layer_bytes(req.first, a) if a > req.first else 0
         dest = req.dest[base : base + hi - lo]
-    return (fan, key_digest(req.raw_key), f"{first}-{end}.ckv", head, dest, lo, hi, mac(ns))
+    return (fan, req.kd, f"{first}-{end}.ckv", head, dest, lo, hi, mac(ns))
 
 
 def header_problem(head: bytes, ns: StoreNamespace, key: bytes, first: int) -> str:
