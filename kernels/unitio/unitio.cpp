@@ -16,6 +16,7 @@
 //   for a device, so the claimed window is a bounded copy) or, after a read that may
 //   block, from the batch's aligned buffer in 4 KiB blocks, each hashed while in L1 and
 //   then streamed (non-temporal stores) into the destination. An expired job writes nothing.
+//   A buffered batch asks the page cache for its next units ahead of reading them (WILLNEED).
 // - A store writes a temp file (hashing each piece as it goes), optionally fdatasyncs it
 //   and moves it under its name only under the claim: renameat2(RENAME_NOREPLACE) (or
 //   link() where the file system lacks it) never replaces, so the first writer wins, and
