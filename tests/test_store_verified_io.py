@@ -135,6 +135,31 @@ def test_a_batch_asks_for_its_later_units_ahead_of_their_reads(tmp_path, monkeyp
         assert seen[:first_read] == [("prefetch", by_key[key]) for key in range(1, 17)]
 
 
+def test_a_unit_with_holes_in_the_page_cache_loads_right(tmp_path, monkeypatch):
+    """Pieces 0, 2 and 4 of a unit are in the page cache, 1 and 3 are not: the cached ones
+    come from there, the others are read through the buffer (each alone, at its own piece:
+    never the rest of the unit at once) or, when the unit's WILLNEED brought them in first,
+    from the page cache too. Right bytes either way."""
+    store, path = stored(tmp_path)
+    piece = 256 << 10
+    with store:
+        drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into the holes
+            for k in (0, 2, 4):
+                os.pread(fd, piece, k * piece)
+        finally:
+            os.close(fd)
+        reads: list[int] = []
+        monkeypatch.setattr(
+            files_mod, "_test_hook", lambda stage, p, n: stage == "read" and reads.append(n)
+        )
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
+        assert set(reads) <= {piece, 3 * piece} and len(reads) == len(set(reads))
+
+
 def store_path(store: FileStore, key: int) -> str:
     """The file of ``key``'s unit of every layer."""
     kd = key_digest(key)
