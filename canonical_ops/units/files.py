@@ -40,7 +40,8 @@ _VANISHING = "key directory keeps vanishing"
 _UNSAFE_DIR = "expected a directory of this user (or its groups) writable by no one else"
 # Native I/O in pieces that stay in L2 between hash and write (or read and hash): measured in
 # bench/verified_io_candidates.cpp and bench_vllm_tiers.py (docs/design.md, "Native unit I/O").
-_IO_CHUNK_BYTES = 1 << 20  # bytes hashed then written per write (crash tests make it small)
+_IO_CHUNK_BYTES = 8 << 20  # bytes hashed then written per write: a unit up to this is ONE
+# write with its checksum in place (its second read from the L3; crash tests make it small)
 _PIECE_BYTES = 256 << 10  # bytes read and hashed per step (from the page cache: in place)
 _BOUNCE_BYTES = 4 << 20  # bytes read or written at once with O_DIRECT (an aligned buffer)
 _NOWAIT = True  # try the page cache first (RWF_NOWAIT); tests turn it off

@@ -782,8 +782,12 @@ struct StoreOptions {
 };
 
 struct UnitWriter : Worker<StoreItem, StoreOptions> {
-  // The unit as one stream (header with its checksum zeroed, then the payload), written
-  // and hashed in chunks from offset 0; the checksum is patched in last.
+  // The unit as one stream (header with its checksum zeroed, then the payload), hashed and
+  // written in chunks from offset 0; the checksum is patched in last. A unit no larger than a
+  // chunk (buffered) is hashed whole first and written in ONE call with its checksum in place:
+  // its second read comes from the last-level cache, and the page cache can take it in large
+  // folios (bench/verified_io_candidates.cpp: 0.93-0.97x of vLLM's unhashed write vs
+  // 0.84-0.98x in 1 MiB chunks).
   bool write_stream(size_t* total_out) {
     const auto* head = static_cast<const unsigned char*>(item.head.buf);
     const auto* payload = static_cast<const unsigned char*>(item.data.buf);
@@ -791,7 +795,7 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
     const size_t chunk =
         opt.direct ? round_up(std::max(opt.chunk, size_t(kAlign)), kAlign) : opt.chunk;
     unsigned char* buf = nullptr;
-    unsigned char first[kAlign];
+    unsigned char first[kAlign], sealed[kMaxHeader];
     if (opt.direct && (buf = buffer.get(chunk)) == nullptr) return errno = ENOMEM, false;
     hasher.reset();
     for (size_t pos = 0; pos < total;) {
@@ -818,15 +822,21 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
         if (pos == 0) memcpy(first, buf, kAlign);
         struct iovec one = {buf, padded};
         if (!write_full(fd, &one, 1, static_cast<off_t>(pos))) return false;
-      } else {  // hashed in the caller's memory (pulling the chunk into L2), then written from
-                // there
+      } else {  // hashed in the caller's memory (pulling the chunk into cache), then written
         for (int i = 0; i < count; ++i)
           if (!hasher.update(iov[i].iov_base, iov[i].iov_len)) return false;
+        if (n == total) {  // the whole unit at once: its header goes out with its checksum
+          if (!hasher.digest(sealed + 80)) return false;
+          memcpy(sealed, head, 80);
+          memcpy(sealed + 96, head + 96, hl - 96);
+          iov[0].iov_base = sealed;
+        }
         if (!write_full(fd, iov, count, static_cast<off_t>(pos))) return false;
       }
       pos += n;
       if (!hook.call("write", "tmp", item.temp, static_cast<long long>(pos))) return false;
     }
+    if (!opt.direct && chunk >= total) return *total_out = total, true;  // sealed above
     unsigned char digest[16];
     if (!hasher.digest(digest)) return false;
     if (opt.direct) {
