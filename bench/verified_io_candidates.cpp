@@ -445,6 +445,7 @@ int main(int argc, char** argv) {
       {"warm", "NOWAIT 64K + XXH3-128", warm(load_pieces(64 * K), Sum::XXH128)},
       {"warm", "NOWAIT 512K + XXH3-128", warm(load_pieces(512 * K), Sum::XXH128)},
       {"warm", "NOWAIT 1M + XXH3-128", warm(load_pieces(1024 * K), Sum::XXH128)},
+      {"warm", "NOWAIT whole + XXH3-128", warm(load_pieces(64 * 1024 * K), Sum::XXH128)},
       {"warm", "NOWAIT 256K, no hash", warm(load_pieces(256 * K), Sum::NONE)},
       {"warm", "bounce 32K + XXH3-128 + memcpy", warm(load_bounce(32 * K, false), Sum::XXH128)},
       {"warm", "bounce 32K + XXH3-128 + NT copy", warm(load_bounce(32 * K, true), Sum::XXH128)},
