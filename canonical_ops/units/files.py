@@ -309,8 +309,24 @@ class FileStore(UnitStore):
                 direct,
                 self._hook(),
             )
-            for i, result in zip(batch, results):
-                out[i] = self._stored(reqs[i], result)
+            stored, nbytes, now = [], 0, time.time_ns()
+            try:
+                for i, result in zip(batch, results):
+                    if result[0] == _unitio.OK:  # the usual case: indexed and counted at once
+                        req = reqs[i]
+                        ident = (req.kd, req.first, req.end)
+                        size = header_length(req.raw_key) + len(req.payload)
+                        stored.append(Entry(req.raw_key, *ident, size, req.position, now))
+                        nbytes += len(req.payload)
+                        out[i] = JobOutcome("ok", nbytes=len(req.payload))
+                    else:
+                        out[i] = self._stored(reqs[i], result)
+            finally:
+                if stored:
+                    with self._lock:
+                        for entry in stored:
+                            self._policy.add(entry)
+                    self._count("units_stored", len(stored), bytes_stored=nbytes)
         finally:  # written: a batch larger than the room there was loses its oldest tails
             self._reserve(-reserve)
         if again := [i for i in batch if out[i] is None]:  # vanished meanwhile, or bad
@@ -319,16 +335,12 @@ class FileStore(UnitStore):
         return out
 
     def _stored(self, req: StoreReq, result: tuple) -> JobOutcome | None:
-        """The outcome of a native store; None: to be tried again."""
+        """The outcome of a native store that did not publish (OK is handled by the batch);
+        None: to be tried again."""
         status, err = result[:2]
         ident = (req.kd, req.first, req.end)
         if status in (_unitio.EXPIRED, _unitio.SKIPPED):
             raise RuntimeError("store expired: nothing published")
-        if status == _unitio.OK:
-            size = header_length(req.raw_key) + len(req.payload)
-            self._add(Entry(req.raw_key, *ident, size, req.position, time.time_ns()))
-            self._count("units_stored", bytes_stored=len(req.payload))
-            return JobOutcome("ok", nbytes=len(req.payload))
         if status in (_unitio.LOST, _unitio.EXISTS):  # index (check) what is there
             self._drop(ident)
             self._refresh_key(req.kd)
