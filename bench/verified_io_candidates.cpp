@@ -149,6 +149,25 @@ LoadFn load_bounce(size_t piece, bool nt) {
   };
 }
 
+// One loop over a mapped unit m: hash a block from the mapping (into L1), copy it from L1
+// (nt: streaming stores; snap: through an L1 copy, so the row gets exactly what was hashed).
+void fused(Setup& s, const unsigned char* m, unsigned char* d, Checksum& c, unsigned char* buf,
+           size_t block, bool nt, bool snap) {
+  c.reset();
+  c.update(m, kHeader);
+  for (size_t o = 0; o < s.payload; o += block) {
+    size_t n = std::min(block, s.payload - o);
+    const unsigned char* from = m + kHeader + o;
+    if (snap) memcpy(buf, from, n), from = buf;
+    c.update(from, n);
+    if (nt)
+      copy_nt(d + o, from, n);
+    else
+      memcpy(d + o, from, n);
+  }
+  (void)c.digest();
+}
+
 // mmap the unit, then one loop: hash a block from the mapping (into L1), copy it from L1.
 // snap: each block is first copied into an L1 bounce, hashed and copied on from there, so the
 // row gets exactly the bytes hashed even while another process writes the file.
@@ -158,19 +177,7 @@ LoadFn load_mmap(size_t block, bool populate, bool nt, bool snap = false) {
     int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
     auto* m = static_cast<unsigned char*>(mmap(nullptr, s.unit, PROT_READ, flags, fd, 0));
     if (m == MAP_FAILED) return perror("mmap"), exit(1);
-    c.reset();
-    c.update(m, kHeader);
-    for (size_t o = 0; o < s.payload; o += block) {
-      size_t n = std::min(block, s.payload - o);
-      const unsigned char* from = m + kHeader + o;
-      if (snap) memcpy(buf, from, n), from = buf;
-      c.update(from, n);
-      if (nt)
-        copy_nt(d + o, from, n);
-      else
-        memcpy(d + o, from, n);
-    }
-    (void)c.digest();
+    fused(s, m, d, c, buf, block, nt, snap);
     munmap(m, s.unit);
   };
 }
@@ -180,23 +187,11 @@ LoadFn load_mmap(size_t block, bool populate, bool nt, bool snap = false) {
 std::vector<unsigned char*> g_maps;
 LoadFn load_kept(size_t block, bool snap) {
   return [block, snap](Setup& s, int fd, unsigned char* d, Checksum& c, unsigned char* buf) {
-    size_t i = (d - s.rows) / s.row;
-    if (g_maps.size() < s.units) g_maps.resize(s.units, nullptr);
-    if (g_maps[i] == nullptr) {
-      g_maps[i] = static_cast<unsigned char*>(
+    unsigned char*& m = g_maps[(d - s.rows) / s.row];  // sized by main: one per unit
+    if (m == nullptr)
+      m = static_cast<unsigned char*>(
           mmap(nullptr, s.unit, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0));
-    }
-    unsigned char* m = g_maps[i];
-    c.reset();
-    c.update(m, kHeader);
-    for (size_t o = 0; o < s.payload; o += block) {
-      size_t n = std::min(block, s.payload - o);
-      const unsigned char* from = m + kHeader + o;
-      if (snap) memcpy(buf, from, n), from = buf;
-      c.update(from, n);
-      copy_nt(d + o, from, n);
-    }
-    (void)c.digest();
+    fused(s, m, d, c, buf, block, true, snap);
   };
 }
 
@@ -219,16 +214,7 @@ LoadFn load_arena(size_t block, bool populate) {
              MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0), fd, 0));
     if (m == MAP_FAILED) return perror("mmap"), exit(1);
     used += span;
-    c.reset();
-    c.update(m, kHeader);
-    for (size_t o = 0; o < s.payload; o += block) {
-      size_t n = std::min(block, s.payload - o);
-      const unsigned char* from = m + kHeader + o;
-      memcpy(buf, from, n), from = buf;
-      c.update(from, n);
-      copy_nt(d + o, from, n);
-    }
-    (void)c.digest();
+    fused(s, m, d, c, buf, block, true, true);
   };
 }
 
@@ -404,6 +390,7 @@ int main(int argc, char** argv) {
   s.unit = kHeader + s.payload;
   s.units = std::max<size_t>(8, (mib << 20) / s.payload);
   s.row = round_up(s.payload, kAlign);
+  g_maps.assign(s.units, nullptr);
   if (!mkdtemp(s.dir.data())) return perror("mkdtemp"), 1;
   std::vector<unsigned char> src(s.unit);
   std::mt19937_64 rng(1);
