@@ -541,14 +541,28 @@ bool header_matches(const unsigned char* got, const unsigned char* want, size_t 
          memcmp(got + 96, want + 96, hl - 96) == 0;
 }
 
+// A unit to read, opened below its checked key directory without following a symlink and
+// without blocking on a FIFO; -1 with *status (MISSING, UNSAFE_DIR, UNSAFE_FILE for a
+// symlink, ERROR) and *err otherwise. Callers fstat what they opened.
+int open_unit(const Item& item, const Perms& perms, int* status, int* err) {
+  int kfd = open_dir(item.fan, item.kd, perms, false, false, status, err);
+  if (kfd < 0) return -1;
+  const int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+  int fd = openat(kfd, item.name, flags | O_NOATIME);
+  if (fd < 0 && errno == EPERM) fd = openat(kfd, item.name, flags);  // O_NOATIME: owner only
+  if (fd < 0) {
+    *err = errno;
+    *status = *err == ENOENT ? MISSING : *err == ELOOP ? UNSAFE_FILE : ERROR;
+  }
+  close(kfd);
+  return fd;
+}
+
 // Ask the page cache for a unit the batch reads later (WILLNEED, unless all of it is there),
 // so that its device reads run while the units before it are hashed and copied.
 void prefetch(const LoadItem& item, const LoadOptions& opt, Hook& hook) {
   int status = OK, err = 0;
-  int kfd = open_dir(item.fan, item.kd, opt.perms, false, false, &status, &err);
-  if (kfd < 0) return;
-  int fd = openat(kfd, item.name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  close(kfd);
+  int fd = open_unit(item, opt.perms, &status, &err);
   if (fd < 0) return;
   struct stat st;
   if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
@@ -723,19 +737,8 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 
   int run() {
     int status = OK;
-    int kfd = open_dir(item.fan, item.kd, opt.perms, false, false, &status, &item.err);
-    if (kfd < 0) return status;
-    const int flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
-    fd = openat(kfd, item.name, flags | O_NOATIME);
-    if (fd < 0 && errno == EPERM) fd = openat(kfd, item.name, flags);  // O_NOATIME: owner only
-    if (fd < 0) {
-      item.err = errno;
-      close(kfd);
-      return item.err == ENOENT  ? MISSING
-             : item.err == ELOOP ? fail(UNSAFE_FILE, "a symlink")
-                                 : ERROR;
-    }
-    close(kfd);
+    if ((fd = open_unit(item, opt.perms, &status, &item.err)) < 0)
+      return status == UNSAFE_FILE ? fail(UNSAFE_FILE, "a symlink") : status;
     struct stat st;
     if (fstat(fd, &st) != 0)
       status = (item.err = errno, ERROR);
