@@ -25,10 +25,10 @@ stalls the next journal commits):
   * plain stream  one big file: the same bytes as one sequential write/read, [one
                   fdatasync at the end];
   * tier 1T       FileStore.store()/load() inline, one unit after the other (native:
-                  temp file written and xxh3-hashed in 256 KiB pieces, [fdatasync],
-                  rename-no-replace, [directory fsync]; load: 256 KiB RWF_NOWAIT
-                  pieces hashed in place from the page cache, else read and hashed
-                  in a buffer);
+                  temp file xxh3-hashed whole then written in one call (8 MiB pieces
+                  beyond), [fdatasync], rename-no-replace, [directory fsync]; load:
+                  256 KiB RWF_NOWAIT pieces hashed in place from the page cache, else
+                  each piece read and hashed in a buffer);
   * tier pool     FileStore.submit_store()/submit_load() through its job pool
                   (``--threads``), all units queued then waited for;
   * checksum      xxh3-128 alone over the same payloads (one thread): from memory
