@@ -471,20 +471,19 @@ bool write_full(int fd, const struct iovec* iov_in, int count, off_t offset) {
 #define __NR_cachestat 451
 #endif
 
-// Pages of [0, size) of fd the page cache holds, asked without side effects (cachestat,
-// Linux 6.5); -1 when the kernel cannot say.
-long cached_pages(int fd, size_t size) {
+// Whether the page cache holds all of [0, size) of fd, asked without side effects
+// (cachestat, Linux 6.5); false when the kernel cannot say.
+bool fully_cached(int fd, size_t size) {
   struct {
     uint64_t off, len;
   } range = {0, size};
   struct {
     uint64_t cache, dirty, writeback, evicted, recently_evicted;
   } stat = {};
-  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return -1;
-  return static_cast<long>(stat.cache);
+  static const long page = sysconf(_SC_PAGESIZE);
+  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return false;
+  return stat.cache >= (size + page - 1) / page;
 }
-
-const size_t kPage = static_cast<size_t>(sysconf(_SC_PAGESIZE));
 
 // A batch item: where its unit is, the header it has (to write) or must have (to read:
 // position 0, checksum zeroed), its bytes (payload to store, or destination of payload
@@ -565,14 +564,28 @@ void prefetch(const LoadItem& item, const LoadOptions& opt, Hook& hook) {
   int fd = open_unit(item, opt.perms, &status, &err);
   if (fd < 0) return;
   struct stat st;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-      cached_pages(fd, st.st_size) < static_cast<long>(round_up(st.st_size, kPage) / kPage)) {
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !fully_cached(fd, st.st_size)) {
     char dir[80];
     snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
     if (hook.call("prefetch", dir, item.name, st.st_size))
       posix_fadvise(fd, 0, st.st_size, POSIX_FADV_WILLNEED);
   }
   close(fd);
+}
+
+// Before reading items[i], ask for the units of the next kPrefetchBytes (at least one) not
+// asked for yet (items[*ahead:]); buffered loads only (O_DIRECT reads bypass the page cache).
+void prefetch_ahead(const std::vector<LoadItem>& items, size_t i, size_t* ahead,
+                    const LoadOptions& opt, Hook& hook) {
+  if (!opt.nowait || opt.direct) return;
+  size_t bytes = 0;
+  for (size_t k = i + 1; k < *ahead; ++k) bytes += items[k].payload_length();
+  for (; *ahead < items.size(); ++*ahead) {
+    size_t next = items[*ahead].payload_length();
+    if (*ahead > i + 1 && bytes + next > kPrefetchBytes) break;
+    bytes += next;
+    prefetch(items[*ahead], opt, hook);
+  }
 }
 
 // What a unit's reader or writer works with: its item and the batch's options, the job's
@@ -707,14 +720,14 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     hl = item.head.len;
     total = hl + item.payload_length();
     size_t pos = 0;
-    // What the page cache holds of the unit (cachestat; -1: the kernel cannot say) decides
+    // What the page cache holds of the unit (cachestat; unknown counts as not all) decides
     // how it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all,
     // with direct_io: O_DIRECT into the aligned buffer (a failed RWF_NOWAIT read starts
     // readahead: the device would read the unit twice). Not all, buffered: the kernel is
     // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead
     // windows), then each piece comes from the page cache once there, else is waited for
     // alone (read into the buffer); the next piece tries the page cache again.
-    const bool whole = cached_pages(fd, total) >= static_cast<long>(round_up(total, kPage) / kPage);
+    const bool whole = fully_cached(fd, total);
     bool cached = opt.nowait && (!opt.direct || whole);
     if (cached && !whole) posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
@@ -799,6 +812,7 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
         opt.direct ? round_up(std::max(opt.chunk, size_t(kAlign)), kAlign) : opt.chunk;
     unsigned char* buf = nullptr;
     unsigned char first[kAlign], sealed[kMaxHeader];
+    const bool whole = !opt.direct && chunk >= total;  // one write, the checksum in place
     if (opt.direct && (buf = buffer.get(chunk)) == nullptr) return errno = ENOMEM, false;
     hasher.reset();
     for (size_t pos = 0; pos < total;) {
@@ -828,7 +842,7 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
       } else {  // hashed in the caller's memory (pulling the chunk into cache), then written
         for (int i = 0; i < count; ++i)
           if (!hasher.update(iov[i].iov_base, iov[i].iov_len)) return false;
-        if (n == total) {  // the whole unit at once: its header goes out with its checksum
+        if (whole) {  // the header goes out with its checksum
           if (!hasher.digest(sealed + 80)) return false;
           memcpy(sealed, head, 80);
           memcpy(sealed + 96, head + 96, hl - 96);
@@ -839,7 +853,7 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
       pos += n;
       if (!hook.call("write", "tmp", item.temp, static_cast<long long>(pos))) return false;
     }
-    if (!opt.direct && chunk >= total) return *total_out = total, true;  // sealed above
+    if (whole) return *total_out = total, true;  // sealed above
     unsigned char digest[16];
     if (!hasher.digest(digest)) return false;
     if (opt.direct) {
@@ -952,19 +966,11 @@ PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, P
   gil.drop();
   {
     Lease buffer;
-    size_t ahead = 1;  // items[ahead:] not asked for yet
+    size_t ahead = 1;  // loads: items[ahead:] not asked for yet
     for (size_t i = 0; i < items.size(); ++i) {
       auto& it = items[i];
       if constexpr (std::is_same_v<Work, UnitReader>) {
-        // Buffered loads ask for the units of the next kPrefetchBytes (at least one) ahead.
-        size_t bytes = 0;
-        for (size_t k = i + 1; k < ahead; ++k) bytes += items[k].payload_length();
-        for (; opt.nowait && !opt.direct && ahead < items.size() &&
-               (ahead == i + 1 || bytes + items[ahead].payload_length() <= kPrefetchBytes);
-             ++ahead) {
-          bytes += items[ahead].payload_length();
-          prefetch(items[ahead], opt, hook);
-        }
+        prefetch_ahead(items, i, &ahead, opt, hook);
         if (gil.failed) break;
       }
       Work worker{{it, opt, state, hook, buffer}};
