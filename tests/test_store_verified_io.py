@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +162,136 @@ def test_a_unit_with_holes_in_the_page_cache_loads_right(tmp_path, monkeypatch):
         assert set(reads) <= {piece, 3 * piece} and len(reads) == len(set(reads))
 
 
+def direct_units(tmp_path, count: int, **options) -> FileStore:
+    """A direct_io store holding units 0..count-1, none of them in the page cache."""
+    store = FileStore(tmp_path, NS, fsync=False, direct_io=True, **options)
+    for key in range(count):
+        assert store.store(key, 0, row(NS, key), 0).ok
+    for path in unit_files(store):
+        drop_cache(path)
+    return store
+
+
+@pytest.mark.parametrize("bounce", [None, 256 << 10, 12 << 10], ids=["4MiB", "256KiB", "12KiB"])
+def test_direct_io_reads_the_next_units_while_one_is_hashed_and_copied(
+    tmp_path, monkeypatch, bounce
+):
+    """A batch read O_DIRECT submits its pieces ahead, across units, into a ring of two
+    bounces: a whole unit per read up to a bounce (so, by default, a unit's read is asked for
+    before the unit ahead of it has reached its destination), even pieces of at most a bounce
+    beyond, placed around the ring. Every unit loads right."""
+    if bounce is not None:
+        monkeypatch.setattr(files_mod, "_BOUNCE_BYTES", bounce)
+        monkeypatch.setattr(files_mod, "_PIECE_BYTES", min(bounce, files_mod._PIECE_BYTES))
+    with direct_units(tmp_path, 6) as store:
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(6)]
+        by_path = {store_path(store, key): key for key in range(6)}
+        reads: list[tuple[int, int, bool]] = []  # (key, position, unit before it delivered)
+
+        def hook(stage: str, path: str, n: int) -> None:
+            if stage == "read":
+                key = by_path[os.path.join(store.directory, path)]
+                reads.append((key, n, key > 0 and bool(dests[key - 1].any())))
+
+        monkeypatch.setattr(files_mod, "_test_hook", hook)
+        job = store.loads([(key, 0, 64, dest) for key, dest in enumerate(dests)])
+        assert job.ok and all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
+        total = HEADER_BYTES + NS.total_bytes
+        parts = -(-total // files_mod._BOUNCE_BYTES)  # even pieces of at most a bounce
+        piece = -(-(-(-total // parts)) // 4096) * 4096
+        per_unit = [(k, n) for k in range(6) for n in range(0, total, piece)]
+        assert [(k, n) for k, n, _ in reads] == per_unit
+        if bounce is None:  # all six (1 MiB each) fit the ring: asked for at once
+            assert not any(delivered for _, _, delivered in reads)
+
+
+@pytest.mark.parametrize("bounce", [None, 256 << 10], ids=["whole units", "256KiB pieces"])
+def test_a_bad_unit_among_units_read_ahead_is_a_miss_and_the_rest_load(
+    tmp_path, monkeypatch, bounce
+):
+    """Units read ahead O_DIRECT: a header flipped (found at its first piece, while later
+    pieces are in flight: its own, in 256 KiB pieces), a payload byte flipped (found at its
+    checksum), a unit gone, a unit truncated after it was opened: each a miss (the bad ones
+    quarantined), every other unit of the batch loads right."""
+    if bounce is not None:
+        monkeypatch.setattr(files_mod, "_BOUNCE_BYTES", bounce)
+    with direct_units(tmp_path, 7) as store:
+        flip(store_path(store, 1), 7)
+        flip(store_path(store, 3), HEADER_BYTES + NS.total_bytes - 10)
+        os.unlink(store_path(store, 4))
+        cut = store_path(store, 6)
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(7)]
+        truncated = []
+
+        def hook(stage: str, path: str, n: int) -> None:  # after unit 6 was opened, checked
+            if os.path.join(store.directory, path) == cut and not truncated:
+                truncated.append(n)
+                os.truncate(cut, HEADER_BYTES + 5000)
+
+        files_mod._test_hook, saved = hook, files_mod._test_hook
+        try:
+            job = store.loads([(key, 0, 64, dest) for key, dest in enumerate(dests)])
+        finally:
+            files_mod._test_hook = saved
+        statuses = [o.status for o in job.value]
+        assert statuses == ["ok", "miss", "ok", "miss", "miss", "ok", "miss"], job.detail
+        for key in (0, 2, 5):
+            assert np.array_equal(dests[key], row(NS, key))
+        assert truncated == [0] and store.metrics().quarantined == 3
+
+
+def test_an_expired_batch_read_ahead_writes_nothing_and_the_pool_goes_on(
+    tmp_path, monkeypatch
+):
+    """O_DIRECT reads ahead: the job expires while unit 1's first read is being asked for
+    (unit 0's pieces submitted, none consumed): nothing is written, every read it submitted
+    is waited for before its buffer is given back, and the next loads are right."""
+    with direct_units(tmp_path, 4, threads=1, deadline_s=0.3) as store:
+        gate, entered = threading.Event(), threading.Event()
+        unit1 = store_path(store, 1)
+
+        def stuck(stage: str, path: str, n: int) -> None:
+            if stage == "read" and os.path.join(store.directory, path) == unit1:
+                entered.set()
+                gate.wait(30)
+
+        monkeypatch.setattr(files_mod, "_test_hook", stuck)
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(4)]
+        job = store.submit_loads([(key, 0, 64, dest) for key, dest in enumerate(dests)])
+        assert entered.wait(10)
+        store.wait(job, timeout=10)
+        assert job.status == "expired"
+        monkeypatch.setattr(files_mod, "_test_hook", None)
+        gate.set()
+        time.sleep(0.3)  # the abandoned batch submits, finds its claim refused, drains
+        assert not any(d.any() for d in dests)
+        again = [np.zeros(NS.total_bytes, np.uint8) for _ in range(4)]
+        assert store.wait(store.submit_loads([(k, 0, 64, d) for k, d in enumerate(again)]), 10).ok
+        assert all(np.array_equal(d, row(NS, k)) for k, d in enumerate(again))
+
+
+def test_a_forked_child_reads_ahead_with_its_own_aio_context(tmp_path):
+    """The reads ahead use a per-thread AIO context, which a forked child does not inherit:
+    the child sets up its own and loads right."""
+    with direct_units(tmp_path, 3) as store:
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(3)]
+        assert store.loads([(k, 0, 64, d) for k, d in enumerate(dests)]).ok  # this thread's
+        for path in unit_files(store):
+            drop_cache(path)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                again = [np.zeros(NS.total_bytes, np.uint8) for _ in range(3)]
+                job = store.loads([(k, 0, 64, d) for k, d in enumerate(again)])
+                right = all(np.array_equal(d, row(NS, k)) for k, d in enumerate(again))
+                code = 0 if job.ok and right else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 def store_path(store: FileStore, key: int) -> str:
     """The file of ``key``'s unit of every layer."""
     kd = key_digest(key)
@@ -198,8 +330,11 @@ def test_a_byte_flipped_then_read_again_from_the_device_is_a_miss(tmp_path, monk
 @pytest.mark.parametrize("offset", [5, HEADER_BYTES + 400_000])
 def test_a_unit_rewritten_by_another_process_while_read_is_a_miss(tmp_path, monkeypatch, offset):
     """Another process flips a byte of the unit as this one starts reading it from the
-    device (after its size and ownership were checked): a miss."""
+    device (after its size and ownership were checked): a miss. (Not from the page cache
+    first: the unit's WILLNEED may bring all of it in before the first piece is tried, and
+    then no read would start from the device.)"""
     store, path = stored(tmp_path)
+    monkeypatch.setattr(files_mod, "_NOWAIT", False)
     with store:
         drop_cache(path)
         flipped = []
@@ -231,11 +366,13 @@ def test_a_unit_truncated_by_another_process_while_read_is_a_miss(
         assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(NS, 8))
 
 
-def test_loads_racing_a_truncating_process_load_right_or_miss(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+def test_loads_racing_a_truncating_process_load_right_or_miss(tmp_path, direct):
     """Another process truncates the unit and writes it back, over and over, while this one
-    loads it: every load is the stored bytes or a miss; nothing crashes."""
+    loads it (O_DIRECT: its pieces read ahead): every load is the stored bytes or a miss;
+    nothing crashes."""
     expected = row(NS, 7)
-    with FileStore(tmp_path, NS, fsync=False) as store:
+    with FileStore(tmp_path, NS, fsync=False, direct_io=direct) as store:
         assert store.store(7, 0, expected, 0).ok
         (path,) = unit_files(store)
         with open(path, "rb") as f:

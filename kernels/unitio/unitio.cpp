@@ -16,7 +16,9 @@
 //   for a device, so the claimed window is a bounded copy) or, after a read that may
 //   block, from the batch's aligned buffer in 4 KiB blocks, each hashed while in L1 and
 //   then streamed (non-temporal stores) into the destination. An expired job writes nothing.
-//   A buffered batch asks the page cache for its next units ahead of reading them (WILLNEED).
+//   A buffered batch asks the page cache for its next units ahead of reading them (WILLNEED);
+//   with direct_io, its O_DIRECT pieces are submitted ahead (Linux AIO) into a ring in that
+//   buffer, and every read submitted is waited for before the buffer is given back.
 // - A store writes a temp file (hashing each piece as it goes), optionally fdatasyncs it
 //   and moves it under its name only under the claim: renameat2(RENAME_NOREPLACE) (or
 //   link() where the file system lacks it) never replaces, so the first writer wins, and
@@ -25,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <fcntl.h>
+#include <linux/aio_abi.h>
 #include <pthread.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -88,6 +91,7 @@ constexpr size_t kMaxHeader = 96 + 1024;
 constexpr size_t kStep = 256 << 10;          // bytes copied then hashed at once: they stay in L2
 constexpr size_t kBlock = 4096;              // bytes hashed then streamed at once: they stay in L1
 constexpr size_t kPrefetchBytes = 16 << 20;  // a batch's units asked for ahead of their reads
+constexpr size_t kMaxAhead = 8;              // O_DIRECT reads ahead: pieces in flight at most
 
 // ----------------------------------------------------------------- the job state word
 
@@ -508,6 +512,13 @@ struct Item {
     if (head.len >= 48) memcpy(&n, static_cast<const unsigned char*>(head.buf) + 40, 8);
     return n;
   }
+  // Call the hook at `stage` with this unit's path below the namespace directory.
+  bool announce(Hook& hook, const char* stage, long long n) const {
+    if (hook.fn == nullptr) return true;
+    char dir[80];
+    snprintf(dir, sizeof dir, "%.2s/%s", kd, kd);
+    return hook.call(stage, dir, name, n);
+  }
 };
 
 struct LoadItem : Item {
@@ -564,29 +575,214 @@ void prefetch(const LoadItem& item, const LoadOptions& opt, Hook& hook) {
   int fd = open_unit(item, opt.perms, &status, &err);
   if (fd < 0) return;
   struct stat st;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !fully_cached(fd, st.st_size)) {
-    char dir[80];
-    snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
-    if (hook.call("prefetch", dir, item.name, st.st_size))
-      posix_fadvise(fd, 0, st.st_size, POSIX_FADV_WILLNEED);
-  }
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !fully_cached(fd, st.st_size) &&
+      item.announce(hook, "prefetch", st.st_size))
+    posix_fadvise(fd, 0, st.st_size, POSIX_FADV_WILLNEED);
   close(fd);
 }
 
-// Before reading items[i], ask for the units of the next kPrefetchBytes (at least one) not
-// asked for yet (items[*ahead:]); buffered loads only (O_DIRECT reads bypass the page cache).
-void prefetch_ahead(const std::vector<LoadItem>& items, size_t i, size_t* ahead,
-                    const LoadOptions& opt, Hook& hook) {
-  if (!opt.nowait || opt.direct) return;
-  size_t bytes = 0;
-  for (size_t k = i + 1; k < *ahead; ++k) bytes += items[k].payload_length();
-  for (; *ahead < items.size(); ++*ahead) {
-    size_t next = items[*ahead].payload_length();
-    if (*ahead > i + 1 && bytes + next > kPrefetchBytes) break;
-    bytes += next;
-    prefetch(items[*ahead], opt, hook);
+// A unit opened and checked (a regular file of the expected size) at its turn, or ahead of it.
+struct Opened {
+  int fd = -1;
+  int status = SKIPPED;  // OK: open and checked
+  bool whole = false;    // all of it in the page cache
+  bool direct = false;   // read O_DIRECT through the batch's ring (direct_io, not all cached)
+  size_t total = 0;
+  long long used_ns = 0;  // its last use (atime or mtime)
+};
+
+void open_checked(LoadItem& item, const LoadOptions& opt, Opened* u) {
+  u->total = item.head.len + item.payload_length();
+  if ((u->fd = open_unit(item, opt.perms, &u->status, &item.err)) < 0) {
+    if (u->status == UNSAFE_FILE) item.reason = "a symlink";
+    return;
+  }
+  struct stat st;
+  if (fstat(u->fd, &st) != 0) {
+    item.err = errno, u->status = ERROR;
+  } else if (!S_ISREG(st.st_mode)) {
+    item.reason = "not a regular file", u->status = UNSAFE_FILE;
+  } else if (item.dev = st.st_dev, item.ino = st.st_ino;
+             static_cast<uint64_t>(st.st_size) != u->total) {
+    snprintf(item.reason_buf, sizeof item.reason_buf, "size %lld != %llu bytes expected",
+             static_cast<long long>(st.st_size), static_cast<unsigned long long>(u->total));
+    item.reason = item.reason_buf, u->status = CORRUPT;
+  } else {
+    u->used_ns = std::max<long long>(st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec,
+                                     st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
+    u->whole = fully_cached(u->fd, u->total);
+    if (opt.direct && !(opt.nowait && u->whole)) {
+      int flags = fcntl(u->fd, F_GETFL);
+      u->direct = flags >= 0 && fcntl(u->fd, F_SETFL, flags | O_DIRECT) == 0;
+    }
+    u->status = OK;
   }
 }
+
+// Linux AIO by system call (no libaio): reads submitted now, waited for later. One context per
+// thread, kept (io_destroy waits for an RCU grace period: tens of milliseconds), set up again
+// in a forked child (contexts are not inherited). A batch never leaves a read in flight.
+struct Aio {
+  // Events the context is set up for: more than kMaxAhead, as the kernel hands its free
+  // slots to CPUs in batches (fewer would refuse submissions while slots are free).
+  static constexpr unsigned kAioEvents = 64;
+  aio_context_t ctx = 0;
+  pid_t owner = 0;
+  ~Aio() {
+    if (owner == getpid()) syscall(__NR_io_destroy, ctx);
+  }
+  bool ready() {
+    if (owner == getpid()) return true;
+    ctx = 0;
+    owner = syscall(__NR_io_setup, kAioEvents, &ctx) == 0 ? getpid() : 0;
+    return owner != 0;
+  }
+  // How many of `list` were submitted (0 when none could be).
+  size_t submit(struct iocb** list, size_t n) {
+    long sent = n > 0 && ready() ? syscall(__NR_io_submit, ctx, static_cast<long>(n), list) : 0;
+    return sent > 0 ? static_cast<size_t>(sent) : 0;
+  }
+  // At least one completion into `events` (at most `max`); their count, or -1 (errno).
+  long reap(struct io_event* events, long max) {
+    long got;
+    do got = syscall(__NR_io_getevents, ctx, 1L, max, events, nullptr);
+    while (got < 0 && errno == EINTR);
+    return got;
+  }
+};
+thread_local Aio t_aio;
+
+// The loads of one batch: its units opened and checked at their turn or ahead of it, and the
+// pieces of those it reads O_DIRECT submitted ahead of their turn (Linux AIO) into a ring (an
+// aligned buffer of two bounces), so that the device reads the next units while this one is
+// hashed and copied. A piece is a whole unit up to a bounce (one device request: a virtual
+// disk pays per request; 1 MiB pieces measured 0.8x of whole units there), a larger unit in
+// even pieces of at most a bounce (so the next unit's first fits beside them), placed after the
+// pieces in flight and consumed in the order it was submitted; a unit read another way stops
+// the submissions until its turn has passed, so the ring is empty then. Never into caller
+// memory: a job may expire while a device read is in flight. Without AIO (io_setup refused),
+// each piece is read when it is submitted.
+struct LoadBatch {
+  struct Piece {
+    size_t item = 0, pos = 0, n = 0, at = 0;  // unit bytes [pos, pos + n), at ring + at
+    long res = 0;                             // bytes read, or -errno
+    bool done = false;
+  };
+
+  std::vector<LoadItem>& items;
+  const LoadOptions& opt;
+  std::atomic<int>* state;
+  Hook& hook;
+  Gil& gil;
+  Lease buffer, ring_buffer;
+  std::vector<Opened> opened;
+  Aio& aio = t_aio;
+  unsigned char* ring = nullptr;
+  size_t ring_bytes = 0, piece = 0;  // a piece: up to a bounce, the ring two
+  Piece flight[kMaxAhead];
+  size_t head = 0, count = 0;          // in flight: flight[head], ... (count of them, a ring)
+  size_t next_item = 0, next_pos = 0;  // the next piece to submit
+  size_t prefetched = 1;               // buffered: items[prefetched:] not asked for yet
+
+  LoadBatch(std::vector<LoadItem>& items_, const LoadOptions& opt_, std::atomic<int>* state_,
+            Hook& hook_, Gil& gil_)
+      : items(items_), opt(opt_), state(state_), hook(hook_), gil(gil_), opened(items_.size()) {}
+  ~LoadBatch() {
+    while (count > 0) wait_head(), pop();  // no read may land in a buffer given back
+    for (auto& u : opened)
+      if (u.fd >= 0) close(u.fd);
+  }
+
+  Opened& open(size_t i) {
+    if (opened[i].status == SKIPPED) open_checked(items[i], opt, &opened[i]);
+    return opened[i];
+  }
+
+  // Where in the ring a read of `len` bytes goes, after the pieces in flight; npos: no room
+  // until the first of them is consumed.
+  static constexpr size_t npos = SIZE_MAX;
+  size_t place(size_t len) const {
+    if (count == 0) return 0;
+    const Piece& last = flight[(head + count - 1) % kMaxAhead];
+    size_t first = flight[head].at, end = last.at + round_up(last.n, kAlign);
+    if (end > first)  // [first, end) in use: room after it, else at the start
+      return ring_bytes - end >= len ? end : first >= len ? 0 : npos;
+    return first - end >= len ? end : npos;  // wrapped: [first, ring) and [0, end) in use
+  }
+
+  // Submit pieces of the units from `current` on that are read O_DIRECT, until the ring is
+  // full or a unit is read another way (or failed its checks). false: the hook raised.
+  bool submit_ahead(size_t current) {
+    if (next_item < current) next_item = current, next_pos = 0;
+    if (ring == nullptr) {
+      if (next_item >= items.size() || !open(next_item).direct) return true;
+      piece = round_up(opt.bounce, kAlign), ring_bytes = 2 * piece;
+      if ((ring = ring_buffer.get(ring_bytes)) == nullptr) return true;  // ENOMEM
+    }
+    struct iocb cbs[kMaxAhead];
+    struct iocb* list[kMaxAhead];
+    size_t k = 0;
+    bool ok = true;
+    while (count < kMaxAhead && next_item < items.size()) {
+      Opened& u = open(next_item);
+      if (u.status != OK || !u.direct) break;
+      if (next_pos >= u.total) {
+        ++next_item, next_pos = 0;
+        continue;
+      }
+      size_t parts = (u.total + piece - 1) / piece;  // even pieces: the next unit fits sooner
+      size_t even = round_up((u.total + parts - 1) / parts, kAlign);
+      size_t n = std::min(even, u.total - next_pos), at = place(round_up(n, kAlign));
+      if (at == npos) break;
+      if (!(ok = items[next_item].announce(hook, "read", static_cast<long long>(next_pos)))) break;
+      size_t s = (head + count++) % kMaxAhead;
+      flight[s] = {next_item, next_pos, n, at, 0, false};
+      struct iocb& cb = cbs[k];
+      memset(&cb, 0, sizeof cb);
+      cb.aio_data = s;
+      cb.aio_lio_opcode = IOCB_CMD_PREAD;
+      cb.aio_fildes = static_cast<uint32_t>(u.fd);
+      cb.aio_buf = reinterpret_cast<uintptr_t>(ring + at);
+      cb.aio_nbytes = round_up(n, kAlign);
+      cb.aio_offset = static_cast<int64_t>(next_pos);
+      list[k++] = &cb;
+      next_pos += n;
+    }
+    for (size_t j = aio.submit(list, k); j < k; ++j) {  // not taken: read now
+      Piece& p = flight[cbs[j].aio_data];
+      ssize_t got = read_full(opened[p.item].fd, ring + p.at, p.n, true, static_cast<off_t>(p.pos));
+      p.res = got < 0 ? -errno : got, p.done = true;
+    }
+    return ok;
+  }
+
+  Piece& wait_head() {
+    struct io_event events[kMaxAhead];
+    while (!flight[head].done) {
+      long got = aio.reap(events, static_cast<long>(kMaxAhead));
+      if (got < 0) {  // cannot happen with a valid context; never leave a read behind
+        flight[head].res = -errno, flight[head].done = true;
+        break;
+      }
+      for (long e = 0; e < got; ++e) {
+        Piece& p = flight[events[e].data];
+        p.res = static_cast<long>(events[e].res), p.done = true;
+      }
+    }
+    return flight[head];
+  }
+
+  void pop() { head = (head + 1) % kMaxAhead, --count; }
+
+  // Item i's pieces in flight waited for and dropped; none of it submitted any more.
+  void drop(size_t i) {
+    while (count > 0 && flight[head].item == i) wait_head(), pop();
+    if (next_item == i) ++next_item, next_pos = 0;
+  }
+
+  void prefetch_ahead(size_t i);
+  void run();
+};
 
 // What a unit's reader or writer works with: its item and the batch's options, the job's
 // state word, the hook, the batch's aligned buffer, a hasher and the unit's descriptor.
@@ -602,6 +798,8 @@ struct Worker {
 };
 
 struct UnitReader : Worker<LoadItem, LoadOptions> {
+  LoadBatch* batch = nullptr;
+  size_t index = 0;
   unsigned char sum[16] = {0};
   size_t hl = 0, total = 0;
   bool direct_on = false;
@@ -659,23 +857,9 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     return status;
   }
 
-  // Read [pos, pos + n) into this thread's buffer (may block: never into caller memory),
-  // hash it there piece by piece and copy the wanted part under the claim.
-  int buffered_piece(size_t pos, size_t n) {
-    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
-      int flags = fcntl(fd, F_GETFL);
-      direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
-    }
-    unsigned char* buf = buffer.get(round_up(std::min(opt.bounce, total), kAlign));
-    if (buf == nullptr) return item.err = ENOMEM, ERROR;
-    if (hook.fn != nullptr) {
-      char dir[80];
-      snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
-      if (!hook.call("read", dir, item.name, static_cast<long long>(pos))) return ERROR;
-    }
-    ssize_t got = read_full(fd, buf, n, direct_on, static_cast<off_t>(pos));
-    if (got < 0) return item.err = errno, ERROR;
-    if (static_cast<size_t>(got) < n) return fail(CORRUPT, "short read: the file shrank");
+  // Bytes [pos, pos + n) of the unit, read into `buf` (never caller memory: the read may
+  // have blocked): hashed a block at a time and the wanted part copied under the claim.
+  int consume(size_t pos, const unsigned char* buf, size_t n) {
     size_t start = 0;
     if (pos == 0) {
       if (int status = begin(buf); status != OK) return status;
@@ -709,6 +893,46 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     return status;
   }
 
+  // Read [pos, pos + n) into this thread's buffer and consume it there.
+  int buffered_piece(size_t pos, size_t n) {
+    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
+      int flags = fcntl(fd, F_GETFL);
+      direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+    }
+    unsigned char* buf = buffer.get(round_up(std::min(opt.bounce, total), kAlign));
+    if (buf == nullptr) return item.err = ENOMEM, ERROR;
+    if (!item.announce(hook, "read", static_cast<long long>(pos))) return ERROR;
+    ssize_t got = read_full(fd, buf, n, direct_on, static_cast<off_t>(pos));
+    if (got < 0) return item.err = errno, ERROR;
+    if (static_cast<size_t>(got) < n) return fail(CORRUPT, "short read: the file shrank");
+    return consume(pos, buf, n);
+  }
+
+  // A unit read O_DIRECT: its pieces, submitted ahead (LoadBatch), consumed in order; each
+  // wait first tops the ring up, so the device never idles while this CPU hashes.
+  int ahead_pieces() {
+    for (size_t pos = 0; pos < total;) {
+      if (!batch->submit_ahead(index)) return ERROR;  // the hook raised
+      if (batch->ring == nullptr) return item.err = ENOMEM, ERROR;
+      if (batch->count == 0 || batch->flight[batch->head].item != index)
+        return item.err = EIO, ERROR;  // not submitted: cannot happen
+      auto& p = batch->wait_head();
+      unsigned char* buf = batch->ring + p.at;
+      long res = p.res;
+      if (res >= 0 && static_cast<size_t>(res) < p.n && res % kAlign == 0) {  // the rest now
+        ssize_t more = read_full(fd, buf + res, p.n - res, true, static_cast<off_t>(p.pos + res));
+        res = more < 0 ? -errno : res + more;
+      }
+      if (res < 0) return item.err = static_cast<int>(-res), ERROR;
+      if (static_cast<size_t>(res) < p.n) return fail(CORRUPT, "short read: the file shrank");
+      int status = consume(p.pos, buf, p.n);
+      pos = p.pos + p.n;
+      batch->pop();
+      if (status != OK) return status;
+    }
+    return OK;
+  }
+
   int verdict() {
     unsigned char digest[16];
     if (!hasher.digest(digest)) return ERROR;
@@ -716,20 +940,22 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     return OK;
   }
 
-  int read_unit() {
+  // What the page cache holds of the unit (cachestat; unknown counts as not all) decides how
+  // it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all, with
+  // direct_io: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is asked
+  // for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows), then
+  // each piece comes from the page cache once there, else is waited for alone (read into the
+  // buffer); the next piece tries the page cache again.
+  int read_unit(const Opened& u) {
     hl = item.head.len;
-    total = hl + item.payload_length();
+    total = u.total;
+    if (u.direct) {
+      if (int status = ahead_pieces(); status != OK) return status;
+      return verdict();
+    }
     size_t pos = 0;
-    // What the page cache holds of the unit (cachestat; unknown counts as not all) decides
-    // how it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all,
-    // with direct_io: O_DIRECT into the aligned buffer (a failed RWF_NOWAIT read starts
-    // readahead: the device would read the unit twice). Not all, buffered: the kernel is
-    // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead
-    // windows), then each piece comes from the page cache once there, else is waited for
-    // alone (read into the buffer); the next piece tries the page cache again.
-    const bool whole = fully_cached(fd, total);
-    bool cached = opt.nowait && (!opt.direct || whole);
-    if (cached && !whole) posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
+    bool cached = opt.nowait && (!opt.direct || u.whole);
+    if (cached && !u.whole) posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
       if (cached) {
@@ -749,38 +975,51 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   }
 
   int run() {
-    int status = OK;
-    if ((fd = open_unit(item, opt.perms, &status, &item.err)) < 0)
-      return status == UNSAFE_FILE ? fail(UNSAFE_FILE, "a symlink") : status;
-    struct stat st;
-    if (fstat(fd, &st) != 0)
-      status = (item.err = errno, ERROR);
-    else if (!S_ISREG(st.st_mode))
-      status = fail(UNSAFE_FILE, "not a regular file");
-    else {
-      item.dev = st.st_dev, item.ino = st.st_ino;
-      uint64_t expected = item.head.len + item.payload_length();
-      if (static_cast<uint64_t>(st.st_size) != expected) {
-        snprintf(item.reason_buf, sizeof item.reason_buf, "size %lld != %llu bytes expected",
-                 static_cast<long long>(st.st_size), static_cast<unsigned long long>(expected));
-        status = fail(CORRUPT, item.reason_buf);
-      } else {
-        status = read_unit();
-      }
-      if (status == OK) {  // recency for other processes: once per recency bucket
-        long long used = std::max<long long>(st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec,
-                                             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
-        if (opt.now_ns - used >= opt.granularity_ns) {
-          struct timespec times[2] = {{opt.now_ns / 1000000000LL, opt.now_ns % 1000000000LL},
-                                      {0, UTIME_OMIT}};
-          futimens(fd, times);
-        }
-      }
+    Opened& u = batch->open(index);
+    fd = u.fd;
+    if (u.status != OK) {
+      if (fd >= 0) close(fd);
+      u.fd = -1;
+      return u.status;
     }
-    close(fd);
+    int status = read_unit(u);
+    if (status != OK && u.direct) batch->drop(index);
+    if (status == OK && opt.now_ns - u.used_ns >= opt.granularity_ns) {
+      // recency for other processes: once per recency bucket
+      struct timespec times[2] = {{opt.now_ns / 1000000000LL, opt.now_ns % 1000000000LL},
+                                  {0, UTIME_OMIT}};
+      futimens(fd, times);
+    }
+    close(u.fd);
+    u.fd = fd = -1;
     return status;
   }
 };
+
+// Buffered: before reading items[i], ask for the units of the next kPrefetchBytes (at least
+// one) not asked for yet (items[prefetched:]).
+void LoadBatch::prefetch_ahead(size_t i) {
+  if (!opt.nowait || opt.direct) return;
+  size_t bytes = 0;
+  for (size_t k = i + 1; k < prefetched; ++k) bytes += items[k].payload_length();
+  for (; prefetched < items.size(); ++prefetched) {
+    size_t next = items[prefetched].payload_length();
+    if (prefetched > i + 1 && bytes + next > kPrefetchBytes) break;
+    bytes += next;
+    prefetch(items[prefetched], opt, hook);
+  }
+}
+
+void LoadBatch::run() {
+  for (size_t i = 0; i < items.size(); ++i) {
+    prefetch_ahead(i);
+    if (gil.failed) break;
+    UnitReader reader{{items[i], opt, state, hook, buffer}, this, i};
+    reader.hasher.mac = items[i].mac, reader.hasher.gil = &gil;
+    items[i].status = reader.run();
+    if (gil.failed || items[i].status == EXPIRED) break;
+  }
+}
 
 // ----------------------------------------------------------------- stores
 
@@ -929,6 +1168,27 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
   }
 };
 
+// The stores of one batch, one unit after the other, sharing the aligned buffer (O_DIRECT).
+struct StoreBatch {
+  std::vector<StoreItem>& items;
+  const StoreOptions& opt;
+  std::atomic<int>* state;
+  Hook& hook;
+  Gil& gil;
+  Lease buffer;
+  StoreBatch(std::vector<StoreItem>& items_, const StoreOptions& opt_, std::atomic<int>* state_,
+             Hook& hook_, Gil& gil_)
+      : items(items_), opt(opt_), state(state_), hook(hook_), gil(gil_) {}
+  void run() {
+    for (auto& it : items) {
+      UnitWriter writer{{it, opt, state, hook, buffer}};
+      writer.hasher.mac = it.mac, writer.hasher.gil = &gil;
+      it.status = writer.run();
+      if (gil.failed || it.status == EXPIRED) break;
+    }
+  }
+};
+
 // ----------------------------------------------------------------- argument parsing
 
 std::atomic<int>* job_word(PyObject* obj) {
@@ -957,27 +1217,16 @@ bool parse_perms(PyObject* obj, Perms* perms) {
   return true;
 }
 
-// Run a batch with the GIL released (taken back for hooks and MACs only); one result
-// per item, or nullptr with the exception a callback raised.
-template <typename Work, typename Items, typename Options>
+// Run a batch (LoadBatch, StoreBatch) with the GIL released (taken back for hooks and MACs
+// only); one result per item, or nullptr with the exception a callback raised.
+template <typename Batch, typename Items, typename Options>
 PyObject* run_batch(Items& items, const Options& opt, std::atomic<int>* state, PyObject* hook_obj) {
   Gil gil;
   Hook hook{hook_obj == Py_None ? nullptr : hook_obj, &gil};
   gil.drop();
   {
-    Lease buffer;
-    size_t ahead = 1;  // loads: items[ahead:] not asked for yet
-    for (size_t i = 0; i < items.size(); ++i) {
-      auto& it = items[i];
-      if constexpr (std::is_same_v<Work, UnitReader>) {
-        prefetch_ahead(items, i, &ahead, opt, hook);
-        if (gil.failed) break;
-      }
-      Work worker{{it, opt, state, hook, buffer}};
-      worker.hasher.mac = it.mac, worker.hasher.gil = &gil;
-      it.status = worker.run();
-      if (gil.failed || it.status == EXPIRED) break;
-    }
+    Batch batch(items, opt, state, hook, gil);
+    batch.run();
   }
   gil.take();
   if (gil.failed) return nullptr;
@@ -1039,7 +1288,7 @@ PyObject* py_load(PyObject*, PyObject* args) {
     it.lo = static_cast<size_t>(lo), it.hi = static_cast<size_t>(hi);
     if (it.mac == Py_None) it.mac = nullptr;
   }
-  return run_batch<UnitReader>(items, opt, state, hook_obj);
+  return run_batch<LoadBatch>(items, opt, state, hook_obj);
 }
 
 // ----------------------------------------------------------------- store(...)
@@ -1081,7 +1330,7 @@ PyObject* py_store(PyObject*, PyObject* args) {
     }
     if (it.mac == Py_None) it.mac = nullptr;
   }
-  return run_batch<UnitWriter>(items, opt, state, hook_obj);
+  return run_batch<StoreBatch>(items, opt, state, hook_obj);
 }
 
 // ----------------------------------------------------------------- xxh3_128(...)
