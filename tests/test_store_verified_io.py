@@ -6,6 +6,7 @@ process, a unit read again after its page-cache pages were dropped: each is a mi
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -197,8 +198,8 @@ def test_direct_io_reads_the_next_units_while_one_is_hashed_and_copied(
         job = store.loads([(key, 0, 64, dest) for key, dest in enumerate(dests)])
         assert job.ok and all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
         total = HEADER_BYTES + NS.total_bytes
-        parts = -(-total // files_mod._BOUNCE_BYTES)  # even pieces of at most a bounce
-        piece = -(-(-(-total // parts)) // 4096) * 4096
+        parts = math.ceil(total / files_mod._BOUNCE_BYTES)  # even pieces of at most a bounce
+        piece = math.ceil(math.ceil(total / parts) / 4096) * 4096
         per_unit = [(k, n) for k in range(6) for n in range(0, total, piece)]
         assert [(k, n) for k, n, _ in reads] == per_unit
         if bounce is None:  # all six (1 MiB each) fit the ring: asked for at once
