@@ -241,9 +241,7 @@ def test_a_bad_unit_among_units_read_ahead_is_a_miss_and_the_rest_load(
         assert truncated == [0] and store.metrics().quarantined == 3
 
 
-def test_an_expired_batch_read_ahead_writes_nothing_and_the_pool_goes_on(
-    tmp_path, monkeypatch
-):
+def test_an_expired_batch_read_ahead_writes_nothing_and_the_pool_goes_on(tmp_path, monkeypatch):
     """O_DIRECT reads ahead: the job expires while unit 1's first read is being asked for
     (unit 0's pieces submitted, none consumed): nothing is written, every read it submitted
     is waited for before its buffer is given back, and the next loads are right."""
