@@ -241,6 +241,32 @@ def test_a_bad_unit_among_units_read_ahead_is_a_miss_and_the_rest_load(
         assert truncated == [0] and store.metrics().quarantined == 3
 
 
+def test_units_from_the_page_cache_between_units_read_ahead_load_right(tmp_path, monkeypatch):
+    """direct_io: units the page cache holds whole (0, 2, 5) are read from it, the others
+    O_DIRECT ahead; the submissions stop at a cached unit and go on after it, in batch order
+    (the ring never holds a read past a unit read another way). Every unit loads right."""
+    with direct_units(tmp_path, 6) as store:
+        for key in (0, 2, 5):
+            warm(store_path(store, key))
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(6)]
+        by_path = {store_path(store, key): key for key in range(6)}
+        reads: list[tuple[int, list[bool]]] = []
+
+        def hook(stage: str, path: str, n: int) -> None:
+            if stage == "read":
+                key = by_path[os.path.join(store.directory, path)]
+                reads.append((key, [bool(d.any()) for d in dests]))
+
+        monkeypatch.setattr(files_mod, "_test_hook", hook)
+        job = store.loads([(key, 0, 64, dest) for key, dest in enumerate(dests)])
+        assert job.ok and all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
+        assert [key for key, _ in reads] == [1, 3, 4]
+        delivered = dict(reads)
+        assert delivered[1][:1] == [True]  # asked for after cached unit 0 landed
+        assert delivered[3][:3] == [True, True, True]  # and 3 after 2, 4 along with 3
+        assert delivered[4][:3] == [True, True, True] and not delivered[4][3]
+
+
 def test_an_expired_batch_read_ahead_writes_nothing_and_the_pool_goes_on(tmp_path, monkeypatch):
     """O_DIRECT reads ahead: the job expires while unit 1's first read is being asked for
     (unit 0's pieces submitted, none consumed): nothing is written, every read it submitted
