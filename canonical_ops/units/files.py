@@ -43,8 +43,8 @@ _UNSAFE_DIR = "expected a directory of this user (or its groups) writable by no 
 _IO_CHUNK_BYTES = 8 << 20  # bytes hashed then written per write: a unit up to this is ONE
 # write with its checksum in place (its second read from the L3; crash tests make it small)
 _PIECE_BYTES = 256 << 10  # bytes read and hashed per step (from the page cache: in place)
-# An aligned buffer: bytes written at once with O_DIRECT; loads read O_DIRECT into it as a ring
-# of four pieces in flight (Linux AIO), the next ones read while one is hashed and copied.
+# Bytes written at once with O_DIRECT (an aligned buffer); O_DIRECT loads read up to this per
+# request into a ring of two (Linux AIO): the next units read while one is hashed and copied.
 _BOUNCE_BYTES = 4 << 20
 _NOWAIT = True  # try the page cache first (RWF_NOWAIT); tests turn it off
 # Test hook(stage, path, bytes): after each write ("write"), before the rename ("publish"),
