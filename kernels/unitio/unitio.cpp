@@ -591,6 +591,12 @@ struct Opened {
   long long used_ns = 0;  // its last use (atime or mtime)
 };
 
+// Reads of fd from here on bypass the page cache (false where the file system refuses).
+bool set_direct(int fd) {
+  int flags = fcntl(fd, F_GETFL);
+  return flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+}
+
 void open_checked(LoadItem& item, const LoadOptions& opt, Opened* u) {
   u->total = item.head.len + item.payload_length();
   if ((u->fd = open_unit(item, opt.perms, &u->status, &item.err)) < 0) {
@@ -611,10 +617,7 @@ void open_checked(LoadItem& item, const LoadOptions& opt, Opened* u) {
     u->used_ns = std::max<long long>(st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec,
                                      st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec);
     u->whole = fully_cached(u->fd, u->total);
-    if (opt.direct && !(opt.nowait && u->whole)) {
-      int flags = fcntl(u->fd, F_GETFL);
-      u->direct = flags >= 0 && fcntl(u->fd, F_SETFL, flags | O_DIRECT) == 0;
-    }
+    u->direct = opt.direct && !(opt.nowait && u->whole) && set_direct(u->fd);
     u->status = OK;
   }
 }
@@ -895,10 +898,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 
   // Read [pos, pos + n) into this thread's buffer and consume it there.
   int buffered_piece(size_t pos, size_t n) {
-    if (opt.direct && !direct_on && pos % kAlign == 0) {  // from here on, O_DIRECT
-      int flags = fcntl(fd, F_GETFL);
-      direct_on = flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
-    }
+    if (opt.direct && !direct_on && pos % kAlign == 0) direct_on = set_direct(fd);
     unsigned char* buf = buffer.get(round_up(std::min(opt.bounce, total), kAlign));
     if (buf == nullptr) return item.err = ENOMEM, ERROR;
     if (!item.announce(hook, "read", static_cast<long long>(pos))) return ERROR;
@@ -977,20 +977,18 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   int run() {
     Opened& u = batch->open(index);
     fd = u.fd;
-    if (u.status != OK) {
-      if (fd >= 0) close(fd);
-      u.fd = -1;
-      return u.status;
+    int status = u.status;
+    if (status == OK) {
+      status = read_unit(u);
+      if (status != OK && u.direct) batch->drop(index);  // its reads in flight
     }
-    int status = read_unit(u);
-    if (status != OK && u.direct) batch->drop(index);
     if (status == OK && opt.now_ns - u.used_ns >= opt.granularity_ns) {
       // recency for other processes: once per recency bucket
       struct timespec times[2] = {{opt.now_ns / 1000000000LL, opt.now_ns % 1000000000LL},
                                   {0, UTIME_OMIT}};
       futimens(fd, times);
     }
-    close(u.fd);
+    if (fd >= 0) close(fd);
     u.fd = fd = -1;
     return status;
   }
