@@ -317,6 +317,44 @@ def test_a_forked_child_reads_ahead_with_its_own_aio_context(tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.parametrize("state", ["cold", "warm"])
+def test_a_batch_short_of_descriptors_opens_its_units_at_their_turn(tmp_path, state):
+    """A buffered batch keeps the units it asks for ahead open for their turn (one open per
+    unit); in a process with few descriptors left, the units it cannot keep open ahead are
+    opened at their turn and every unit loads right (none is an error)."""
+    import resource
+
+    store = FileStore(tmp_path, NS, fsync=False)
+    with store:
+        for key in range(12):
+            assert store.store(key, 0, row(NS, key), 0).ok
+        for path in unit_files(store):
+            (warm if state == "warm" else drop_cache)(path)
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(12)]
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+                taken = []  # every descriptor but three: the unit at its turn (its key
+                try:  # directory and itself) and one unit ahead
+                    while True:
+                        taken.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError:
+                    pass
+                for fd in taken[-3:]:
+                    os.close(fd)
+                job = store.loads([(k, 0, 64, d) for k, d in enumerate(dests)])
+                right = all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
+                code = 0 if job.ok and right else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+
 def store_path(store: FileStore, key: int) -> str:
     """The file of ``key``'s unit of every layer."""
     kd = key_digest(key)

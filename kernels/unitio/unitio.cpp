@@ -91,6 +91,7 @@ constexpr size_t kMaxHeader = 96 + 1024;
 constexpr size_t kStep = 256 << 10;          // bytes copied then hashed at once: they stay in L2
 constexpr size_t kBlock = 4096;              // bytes hashed then streamed at once: they stay in L1
 constexpr size_t kPrefetchBytes = 16 << 20;  // a batch's units asked for ahead of their reads
+constexpr size_t kOpenAhead = 8;  // of those, kept open for their turn (descriptors per batch)
 constexpr size_t kMaxAhead = 8;              // O_DIRECT reads ahead: pieces in flight at most
 
 // ----------------------------------------------------------------- the job state word
@@ -568,16 +569,22 @@ int open_unit(const Item& item, const Perms& perms, int* status, int* err) {
   return fd;
 }
 
-// Ask the page cache for a unit the batch reads later (WILLNEED, unless all of it is there),
-// so that its device reads run while the units before it are hashed and copied.
+// Ask the page cache for a unit the batch reads later (WILLNEED; callers skip units all
+// there), so that its device reads run while the units before it are hashed and copied.
+bool ask_page_cache(const Item& item, int fd, size_t size, Hook& hook) {
+  if (!item.announce(hook, "prefetch", static_cast<long long>(size))) return false;
+  posix_fadvise(fd, 0, static_cast<off_t>(size), POSIX_FADV_WILLNEED);
+  return true;
+}
+
+// The same for a unit too far ahead to keep open: opened, asked for and closed.
 void prefetch(const LoadItem& item, const LoadOptions& opt, Hook& hook) {
   int status = OK, err = 0;
   int fd = open_unit(item, opt.perms, &status, &err);
   if (fd < 0) return;
   struct stat st;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !fully_cached(fd, st.st_size) &&
-      item.announce(hook, "prefetch", st.st_size))
-    posix_fadvise(fd, 0, st.st_size, POSIX_FADV_WILLNEED);
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && !fully_cached(fd, st.st_size))
+    ask_page_cache(item, fd, st.st_size, hook);
   close(fd);
 }
 
@@ -586,6 +593,7 @@ struct Opened {
   int fd = -1;
   int status = SKIPPED;  // OK: open and checked
   bool whole = false;    // all of it in the page cache
+  bool asked = false;    // WILLNEED given ahead of its turn
   bool direct = false;   // read O_DIRECT through the batch's ring (direct_io, not all cached)
   size_t total = 0;
   long long used_ns = 0;  // its last use (atime or mtime)
@@ -686,6 +694,7 @@ struct LoadBatch {
   size_t head = 0, count = 0;          // in flight: flight[head], ... (count of them, a ring)
   size_t next_item = 0, next_pos = 0;  // the next piece to submit
   size_t prefetched = 1;               // buffered: items[prefetched:] not asked for yet
+  bool open_ahead = true;              // buffered: units asked for are kept open (fds allowing)
 
   LoadBatch(std::vector<LoadItem>& items_, const LoadOptions& opt_, std::atomic<int>* state_,
             Hook& hook_, Gil& gil_)
@@ -955,7 +964,8 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     }
     size_t pos = 0;
     bool cached = opt.nowait && (!opt.direct || u.whole);
-    if (cached && !u.whole) posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
+    if (cached && !u.whole && !u.asked)
+      posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
     while (pos < total) {
       size_t n = std::min(opt.piece, total - pos);
       if (cached) {
@@ -995,7 +1005,8 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 };
 
 // Buffered: before reading items[i], ask for the units of the next kPrefetchBytes (at least
-// one) not asked for yet (items[prefetched:]).
+// one) not asked for yet (items[prefetched:]). The next kOpenAhead are opened and checked now
+// and stay open for their turn (one open per unit); any further ahead are opened only to ask.
 void LoadBatch::prefetch_ahead(size_t i) {
   if (!opt.nowait || opt.direct) return;
   size_t bytes = 0;
@@ -1004,12 +1015,23 @@ void LoadBatch::prefetch_ahead(size_t i) {
     size_t next = items[prefetched].payload_length();
     if (prefetched > i + 1 && bytes + next > kPrefetchBytes) break;
     bytes += next;
-    prefetch(items[prefetched], opt, hook);
+    if (prefetched - i > kOpenAhead || !open_ahead) {
+      prefetch(items[prefetched], opt, hook);
+      continue;
+    }
+    Opened& u = open(prefetched);
+    if (u.status == ERROR && (items[prefetched].err == EMFILE || items[prefetched].err == ENFILE)) {
+      u.status = SKIPPED, items[prefetched].err = 0;  // out of descriptors: opened at its turn,
+      open_ahead = false;                             // none other kept open ahead
+      continue;
+    }
+    if (u.status == OK && !u.whole) u.asked = ask_page_cache(items[prefetched], u.fd, u.total, hook);
   }
 }
 
 void LoadBatch::run() {
   for (size_t i = 0; i < items.size(); ++i) {
+    if (!opt.direct) open(i);  // before the units ahead take descriptors
     prefetch_ahead(i);
     if (gil.failed) break;
     UnitReader reader{{items[i], opt, state, hook, buffer}, this, i};
