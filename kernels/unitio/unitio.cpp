@@ -92,7 +92,7 @@ constexpr size_t kStep = 256 << 10;          // bytes copied then hashed at once
 constexpr size_t kBlock = 4096;              // bytes hashed then streamed at once: they stay in L1
 constexpr size_t kPrefetchBytes = 16 << 20;  // a batch's units asked for ahead of their reads
 constexpr size_t kOpenAhead = 8;  // of those, kept open for their turn (descriptors per batch)
-constexpr size_t kMaxAhead = 8;              // O_DIRECT reads ahead: pieces in flight at most
+constexpr size_t kMaxAhead = 8;   // O_DIRECT reads ahead: pieces in flight at most
 
 // ----------------------------------------------------------------- the job state word
 
@@ -1025,7 +1025,8 @@ void LoadBatch::prefetch_ahead(size_t i) {
       open_ahead = false;                             // none other kept open ahead
       continue;
     }
-    if (u.status == OK && !u.whole) u.asked = ask_page_cache(items[prefetched], u.fd, u.total, hook);
+    if (u.status == OK && !u.whole)
+      u.asked = ask_page_cache(items[prefetched], u.fd, u.total, hook);
   }
 }
 
