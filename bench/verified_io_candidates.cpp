@@ -4,13 +4,14 @@
 // destination region, each method in a shuffled order per round; best and median of R rounds.
 //
 //   warm loads (page cache), cold loads (fdatasync + posix_fadvise(DONTNEED) first), stores
-//   (fresh files, written back and unlinked untimed between rounds).
+//   (fresh files, written back and unlinked untimed between rounds); checksums alone ("sum":
+//   from L2 and from memory, against reading the same bytes).
 //
-//   g++ -O2 -std=c++17 -pthread -mavx512f -mavx512bw -msse4.2 \
+//   g++ -O2 -std=c++17 -pthread -mavx512f -mavx512bw -msse4.2 -mvpclmulqdq \
 //       -Ikernels/third_party/xxhash bench/verified_io_candidates.cpp \
 //       kernels/third_party/xxhash/xxh_x86dispatch.c -o /tmp/candidates
 //   /tmp/candidates [THREADS=2] [ROUNDS=7] [PAYLOAD_BYTES=2097152] [DIR=/tmp] [MiB=192]
-//   (environment: ONLY=warm|cold|store, PICK=a,b to run some; AHEAD_MIB=8, the reads ahead)
+//   (environment: ONLY=warm|cold|store|sum, PICK=a,b to run some; AHEAD_MIB=8, the reads ahead)
 #define XXH_STATIC_LINKING_ONLY
 #define XXH_INLINE_ALL
 #include <fcntl.h>
@@ -77,25 +78,62 @@ void copy_nt(unsigned char* dst, const unsigned char* src, size_t n) {
   memcpy(dst + i, src + i, n - i);
 }
 
-enum class Sum { XXH128, XXH64, CRC32C, NONE };
+// The folding loop of a CRC computed with carry-less multiplies (VPCLMULQDQ, four 512-bit
+// accumulators, 256 bytes a step), the way a 64-bit CRC (CRC-64/NVME) would be computed: its
+// throughput, the fold constant and the final reduction left out (a ceiling, not a codec).
+void crc_fold(__m512i acc[4], const unsigned char* p, size_t n) {
+  const __m512i k = _mm512_set1_epi64(0x21e9761e252621acLL);
+  __m512i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];  // in registers
+  for (size_t i = 0; i + 256 <= n; i += 256) {
+#define FOLD(a, j)                                                    \
+  a = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00), \
+                                _mm512_clmulepi64_epi128(a, k, 0x11), \
+                                _mm512_loadu_si512(p + i + 64 * (j)), 0x96)
+    FOLD(a0, 0), FOLD(a1, 1), FOLD(a2, 2), FOLD(a3, 3);
+#undef FOLD
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+// Every byte loaded once and folded by XOR: how fast this core reads, the bound of any checksum.
+void read_only(__m512i acc[4], const unsigned char* p, size_t n) {
+  __m512i a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+  for (size_t i = 0; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+}
+
+enum class Sum { XXH128, XXH64, CRC32C, CRC_FOLD, READ, NONE };
 
 struct Checksum {
   Sum kind;
   alignas(64) XXH3_state_t state;
   uint32_t crc = 0;
+  __m512i acc[4];
   void reset() {
     if (kind == Sum::XXH128) XXH3_128bits_reset(&state);
     if (kind == Sum::XXH64) XXH3_64bits_reset(&state);
     crc = 0;
+    for (auto& a : acc) a = _mm512_setzero_si512();
   }
   void update(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
     if (kind == Sum::XXH128) XXH3_128bits_update_dispatch(&state, p, n);
     if (kind == Sum::XXH64) XXH3_64bits_update_dispatch(&state, p, n);
-    if (kind == Sum::CRC32C) crc = crc32c_3way(crc, static_cast<const unsigned char*>(p), n);
+    if (kind == Sum::CRC32C) crc = crc32c_3way(crc, b, n);
+    if (kind == Sum::CRC_FOLD) crc_fold(acc, b, n);
+    if (kind == Sum::READ) read_only(acc, b, n);
   }
   uint64_t digest() {
     if (kind == Sum::XXH128) return XXH3_128bits_digest(&state).low64;
     if (kind == Sum::XXH64) return XXH3_64bits_digest(&state);
+    if (kind == Sum::CRC_FOLD || kind == Sum::READ)
+      return _mm_cvtsi128_si64(_mm512_castsi512_si128(
+          _mm512_xor_si512(_mm512_xor_si512(acc[0], acc[1]), _mm512_xor_si512(acc[2], acc[3]))));
     return crc;
   }
 };
@@ -427,8 +465,32 @@ double time_stores(Setup& s, const StoreFn& fn, Sum sum) {
   return took;
 }
 
+// Checksums alone, T threads each over its share of the units' bytes: `resident` from a
+// 256 KiB buffer of its own (L2: where a verified load hashes a piece it has just read) or
+// from the rows (memory: where a store hashes the caller's row), in 256 KiB updates.
+volatile uint64_t g_sink;
+double time_sums(Setup& s, Sum sum, bool resident) {
+  std::vector<std::thread> pool;
+  double start = now();
+  for (int t = 0; t < s.threads; ++t)
+    pool.emplace_back([&, t] {
+      constexpr size_t kPiece = 256 << 10;
+      std::vector<unsigned char> own(kPiece, static_cast<unsigned char>(t + 1));
+      Checksum c{sum};
+      for (size_t i = t; i < s.units; i += s.threads) {
+        const unsigned char* unit = s.rows + i * s.row;
+        c.reset();
+        for (size_t o = 0; o < s.payload; o += kPiece)
+          c.update(resident ? own.data() : unit + o, std::min(kPiece, s.payload - o));
+        g_sink = g_sink + c.digest();
+      }
+    });
+  for (auto& th : pool) th.join();
+  return now() - start;
+}
+
 struct Method {
-  const char* group;  // warm, cold, store
+  const char* group;  // warm, cold, store, sum
   const char* name;
   std::function<double(Setup&)> run;
   std::vector<double> times;
@@ -477,6 +539,9 @@ int main(int argc, char** argv) {
   };
   auto store = [](StoreFn fn, Sum sum) {
     return [fn, sum](Setup& st) { return time_stores(st, fn, sum); };
+  };
+  auto sums = [](Sum sum, bool resident) {
+    return [sum, resident](Setup& st) { return time_sums(st, sum, resident); };
   };
   std::vector<Method> methods = {
       {"warm", "plain pread @0 (vLLM fs)", warm(load_plain_at0, Sum::NONE)},
@@ -538,6 +603,14 @@ int main(int argc, char** argv) {
       {"store", "pwrite 256K, no hash", store(store_pieces(256 * K, false), Sum::NONE)},
       {"store", "ftruncate+mmap fused 16K NT", store(store_mmap(16 * K, true), Sum::XXH128)},
       {"store", "ftruncate+mmap fused 16K memcpy", store(store_mmap(16 * K, false), Sum::XXH128)},
+      {"sum", "read only, from L2 (any checksum's bound)", sums(Sum::READ, true)},
+      {"sum", "XXH3-128 from L2", sums(Sum::XXH128, true)},
+      {"sum", "XXH3-64 from L2", sums(Sum::XXH64, true)},
+      {"sum", "CRC32C 3 streams (SSE4.2) from L2", sums(Sum::CRC32C, true)},
+      {"sum", "CRC fold VPCLMULQDQ x4 from L2", sums(Sum::CRC_FOLD, true)},
+      {"sum", "read only, from memory", sums(Sum::READ, false)},
+      {"sum", "XXH3-128 from memory", sums(Sum::XXH128, false)},
+      {"sum", "CRC fold VPCLMULQDQ x4 from memory", sums(Sum::CRC_FOLD, false)},
   };
   // ONLY=warm (a group), PICK=a,b (names containing one of these, and each group's first)
   const char *only = getenv("ONLY"), *pick = getenv("PICK");
@@ -557,11 +630,11 @@ int main(int argc, char** argv) {
     std::shuffle(order.begin(), order.end(), shuffle);
     for (size_t i : order) methods[i].times.push_back(methods[i].run(s));
   }
-  double base[3] = {0, 0, 0};
-  const char* groups[] = {"warm", "cold", "store"};
+  double base[4] = {0, 0, 0, 0};
+  const char* groups[] = {"warm", "cold", "store", "sum"};
   printf("%d threads, %zu units of %zu payload bytes (+%zu header), %d rounds, shuffled\n",
          s.threads, s.units, s.payload, kHeader, rounds);
-  for (int g = 0; g < 3; ++g)
+  for (int g = 0; g < 4; ++g)
     for (auto& m : methods) {
       if (strcmp(m.group, groups[g]) != 0 || m.times.empty()) continue;
       std::sort(m.times.begin(), m.times.end());
