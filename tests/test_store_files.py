@@ -129,6 +129,36 @@ def test_layout_on_disk(store, tmp_path) -> None:
 # ---------------------------------------------------------------------- store / load
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_the_namespace_description_is_synced_as_the_units_are(tmp_path, monkeypatch, fsync):
+    """``namespace.json`` (written by a process's first store) is synced, file and directory,
+    only by a store that syncs its units: without fsync the first store does not wait for a
+    journal commit; a description a crash left empty is replaced by the next first store."""
+    from canonical_ops.units import fsutil
+
+    synced: list[str] = []
+    real = fsutil.os
+    monkeypatch.setattr(
+        fsutil,
+        "os",
+        type("os", (), {"__getattr__": staticmethod(lambda name: getattr(real, name))})(),
+    )
+    monkeypatch.setattr(fsutil.os, "fdatasync", lambda fd: synced.append("file"), raising=False)
+    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: synced.append("dir"), raising=False)
+    with FileStore(tmp_path, NS, fsync=fsync) as store:
+        assert store.store(b"key", 0, row(NS, 1), 0).ok
+        description = os.path.join(store.directory, "namespace.json")
+    # With fsync the new directories are synced too; without it nothing is.
+    assert synced.count("file") == fsync and ("dir" in synced) == fsync
+    with open(description) as f:
+        assert json.load(f) == NS.describe()
+    open(description, "w").close()  # what a crash may leave of an unsynced one
+    with FileStore(tmp_path, NS, fsync=fsync) as store:
+        assert store.store(b"other", 0, row(NS, 2), 0).ok
+    with open(description) as f:
+        assert json.load(f) == NS.describe()
+
+
 def test_round_trip_async_and_sync(store) -> None:
     jobs = [store.submit_store(k, 0, row(NS, k), position=k) for k in range(6)]
     for job in jobs:

@@ -266,10 +266,14 @@ def open_file(
     return fd, st
 
 
-def replace_file(parent: int, name: str, data: bytes, *, tmp: int, perms: Perms) -> bool:
+def replace_file(
+    parent: int, name: str, data: bytes, *, tmp: int, perms: Perms, sync: bool = True
+) -> bool:
     """Atomically make ``name`` in ``parent`` hold ``data`` (a small file such as
-    ``namespace.json``; a FIFO or link there too): a synced temp in ``tmp`` renamed over it
-    under the job's claim, so it only ever holds a whole file. False if not done (expired)."""
+    ``namespace.json``; a FIFO or link there too): a temp in ``tmp`` renamed over it under
+    the job's claim, so it only ever holds a whole file; ``sync``: the temp synced before
+    and ``parent`` after (a store without fsync skips both: a crash may leave it empty, and
+    the next writer replaces it). False if not done (expired)."""
     temp = f"{temp_prefix()}{secrets.token_hex(8)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(temp, flags, perms.file_mode, dir_fd=tmp)
@@ -280,7 +284,8 @@ def replace_file(parent: int, name: str, data: bytes, *, tmp: int, perms: Perms)
             view = memoryview(data)
             while view:  # a short write is followed by the one that says why (EFBIG, ...)
                 view = view[os.write(fd, view) :]
-            os.fdatasync(fd)
+            if sync:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
         job = current_job()
@@ -293,7 +298,8 @@ def replace_file(parent: int, name: str, data: bytes, *, tmp: int, perms: Perms)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=tmp)
-    os.fsync(parent)
+    if sync:
+        os.fsync(parent)
     return True
 
 
