@@ -295,6 +295,25 @@ def test_an_expired_batch_read_ahead_writes_nothing_and_the_pool_goes_on(tmp_pat
         assert all(np.array_equal(d, row(NS, k)) for k, d in enumerate(again))
 
 
+def loads_right_in_a_child(store: FileStore, count: int, before=None) -> bool:
+    """Whether a forked child (after ``before()``) loads keys ``range(count)`` in one batch,
+    every one right."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            if before is not None:
+                before()
+            dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(count)]
+            job = store.loads([(k, 0, 64, d) for k, d in enumerate(dests)])
+            right = all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
+            code = 0 if job.ok and right else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_forked_child_reads_ahead_with_its_own_aio_context(tmp_path):
     """The reads ahead use a per-thread AIO context, which a forked child does not inherit:
     the child sets up its own and loads right."""
@@ -303,18 +322,7 @@ def test_a_forked_child_reads_ahead_with_its_own_aio_context(tmp_path):
         assert store.loads([(k, 0, 64, d) for k, d in enumerate(dests)]).ok  # this thread's
         for path in unit_files(store):
             drop_cache(path)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                again = [np.zeros(NS.total_bytes, np.uint8) for _ in range(3)]
-                job = store.loads([(k, 0, 64, d) for k, d in enumerate(again)])
-                right = all(np.array_equal(d, row(NS, k)) for k, d in enumerate(again))
-                code = 0 if job.ok and right else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert loads_right_in_a_child(store, 3)
 
 
 @pytest.mark.parametrize("state", ["cold", "warm"])
@@ -330,29 +338,21 @@ def test_a_batch_short_of_descriptors_opens_its_units_at_their_turn(tmp_path, st
             assert store.store(key, 0, row(NS, key), 0).ok
         for path in unit_files(store):
             (warm if state == "warm" else drop_cache)(path)
-        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(12)]
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-                resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
-                taken = []  # every descriptor but three: the unit at its turn (its key
-                try:  # directory and itself) and one unit ahead
-                    while True:
-                        taken.append(os.open(os.devnull, os.O_RDONLY))
-                except OSError:
-                    pass
-                for fd in taken[-3:]:
-                    os.close(fd)
-                job = store.loads([(k, 0, 64, d) for k, d in enumerate(dests)])
-                right = all(np.array_equal(d, row(NS, k)) for k, d in enumerate(dests))
-                code = 0 if job.ok and right else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def three_descriptors_left() -> None:
+            highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, hard))
+            taken = []  # every descriptor but three: the unit at its turn (its key
+            try:  # directory and itself) and one unit ahead
+                while True:
+                    taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+            for fd in taken[-3:]:
+                os.close(fd)
+
+        assert loads_right_in_a_child(store, 12, three_descriptors_left)
 
 
 def store_path(store: FileStore, key: int) -> str:
