@@ -134,17 +134,9 @@ def test_the_namespace_description_is_synced_as_the_units_are(tmp_path, monkeypa
     """``namespace.json`` (written by a process's first store) is synced, file and directory,
     only by a store that syncs its units: without fsync the first store does not wait for a
     journal commit; a description a crash left empty is replaced by the next first store."""
-    from canonical_ops.units import fsutil
-
     synced: list[str] = []
-    real = fsutil.os
-    monkeypatch.setattr(
-        fsutil,
-        "os",
-        type("os", (), {"__getattr__": staticmethod(lambda name: getattr(real, name))})(),
-    )
-    monkeypatch.setattr(fsutil.os, "fdatasync", lambda fd: synced.append("file"), raising=False)
-    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: synced.append("dir"), raising=False)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append("file"))
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append("dir"))
     with FileStore(tmp_path, NS, fsync=fsync) as store:
         assert store.store(b"key", 0, row(NS, 1), 0).ok
         description = os.path.join(store.directory, "namespace.json")

@@ -1005,10 +1005,11 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 };
 
 // Buffered: before reading items[i], ask for the units of the next kPrefetchBytes (at least
-// one) not asked for yet (items[prefetched:]). The next kOpenAhead are opened and checked now
-// and stay open for their turn (one open per unit); any further ahead are opened only to ask.
+// one) not asked for yet (items[prefetched:]). items[i] and the next kOpenAhead are opened and
+// checked now and stay open for their turn (one open per unit); further ones are opened to ask.
 void LoadBatch::prefetch_ahead(size_t i) {
   if (!opt.nowait || opt.direct) return;
+  open(i);  // before the units ahead take descriptors
   size_t bytes = 0;
   for (size_t k = i + 1; k < prefetched; ++k) bytes += items[k].payload_length();
   for (; prefetched < items.size(); ++prefetched) {
@@ -1032,7 +1033,6 @@ void LoadBatch::prefetch_ahead(size_t i) {
 
 void LoadBatch::run() {
   for (size_t i = 0; i < items.size(); ++i) {
-    if (!opt.direct) open(i);  // before the units ahead take descriptors
     prefetch_ahead(i);
     if (gil.failed) break;
     UnitReader reader{{items[i], opt, state, hook, buffer}, this, i};
