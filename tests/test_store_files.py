@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import json
 import os
+import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -721,6 +724,60 @@ def header_key(key: int) -> bytes:
     from canonical_ops.units.unit import normalize_key
 
     return normalize_key(key)
+
+
+IN_MEMORY = {0x01021994, 0x858458F6}  # tmpfs, ramfs: statfs f_type
+
+
+def preallocates(directory) -> bool:
+    """Whether a store should preallocate here: fallocate works and the file system is not
+    one in memory (statfs and fallocate through libc: Python has neither)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    info = ctypes.create_string_buffer(256)
+    assert libc.statfs(os.fsencode(directory), info) == 0
+    if struct.unpack_from("l", info)[0] in IN_MEMORY:
+        return False
+    fd, probe = tempfile.mkstemp(dir=directory)
+    try:
+        return libc.fallocate(fd, 0, 0, 1 << 16) == 0
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+@pytest.mark.parametrize("where", ["tmp_path", "/dev/shm"])
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct_io"])
+def test_a_unit_is_preallocated_before_its_bytes_are_written(
+    tmp_path, monkeypatch, where, direct
+) -> None:
+    """Before its first byte is written a unit's temp file holds its blocks (one extent on
+    ext4), except in memory (tmpfs, ramfs), where fallocate would zero the pages the write
+    fills; the unit's bytes are the same either way."""
+    if where == "tmp_path" or not os.path.isdir(where):
+        root = tmp_path
+    else:
+        root = tempfile.mkdtemp(dir=where)
+    for name in ("_IO_CHUNK_BYTES", "_BOUNCE_BYTES", "_PIECE_BYTES"):  # first write: 4 KiB
+        monkeypatch.setattr(files_mod, name, 4096)
+    seen: list[int] = []
+
+    def hook(stage, path, written):
+        if stage == "write" and not seen:
+            seen.append(os.stat(path).st_blocks * 512)
+
+    monkeypatch.setattr(files_mod, "_test_hook", hook)
+    try:
+        with FileStore(root, NS, fsync=False, direct_io=direct) as s:
+            assert s.store(1, 0, row(NS, 1), 0).ok
+            expected = preallocates(os.path.join(s.directory, "tmp"))
+            dest = np.zeros(NS.total_bytes, np.uint8)
+            assert s.load(1, 0, 32, dest).ok and np.array_equal(dest, row(NS, 1))
+        assert len(seen) == 1
+        assert (seen[0] >= UNIT) == expected, (seen[0], UNIT, expected)
+    finally:
+        if root is not tmp_path:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("chunk", [8192, 1 << 20])

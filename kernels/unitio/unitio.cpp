@@ -28,9 +28,11 @@
 #include <Python.h>
 #include <fcntl.h>
 #include <linux/aio_abi.h>
+#include <linux/magic.h>
 #include <pthread.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -1130,6 +1132,20 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
     return true;
   }
 
+  bool preallocate_blocks = false;  // see StoreBatch
+
+  // The temp file's blocks allocated in one call before its bytes are written (RocksDB's
+  // allow_fallocate): ext4 then maps the unit as one extent instead of reserving each 4 KiB
+  // block on its write path. A file system without fallocate is written as before; no space
+  // fails the store before a byte is written.
+  bool preallocate() {
+    if (!preallocate_blocks) return true;
+    size_t total = item.head.len + item.data.len;
+    if (opt.direct) total = round_up(total, kAlign);
+    if (fallocate(fd, 0, 0, static_cast<off_t>(total)) == 0) return true;
+    return errno != ENOSPC && errno != EDQUOT && errno != EFBIG;
+  }
+
   int run() {
     int status = OK;
     int kfd = open_dir(item.fan, item.kd, opt.perms, true, opt.fsync, &status, &item.err);
@@ -1163,7 +1179,7 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
     }
     size_t total = 0;
     bool ok = (!opt.perms.group_shared || fchmod(fd, opt.perms.file_mode) == 0) &&
-              write_stream(&total) && (!opt.fsync || fdatasync(fd) == 0);
+              preallocate() && write_stream(&total) && (!opt.fsync || fdatasync(fd) == 0);
     int saved = errno;
     close(fd);
     if (ok) ok = hook.call("publish", "tmp", item.temp, static_cast<long long>(total));
@@ -1201,9 +1217,16 @@ struct StoreBatch {
              Hook& hook_, Gil& gil_)
       : items(items_), opt(opt_), state(state_), hook(hook_), gil(gil_) {}
   void run() {
+    // Preallocated everywhere but in memory: fallocate on tmpfs zeroes the pages the write
+    // then fills (bench/verified_io_candidates.cpp, "fallocate, ..." rows: ext4 buffered
+    // stores 1.07-1.25x of a plain write, tmpfs 0.88-1.0x).
+    struct statfs where;
+    const bool preallocate = fstatfs(opt.tmp, &where) != 0 ||
+                             (where.f_type != TMPFS_MAGIC && where.f_type != RAMFS_MAGIC);
     for (auto& it : items) {
       UnitWriter writer{{it, opt, state, hook, buffer}};
       writer.hasher.mac = it.mac, writer.hasher.gil = &gil;
+      writer.preallocate_blocks = preallocate;
       it.status = writer.run();
       if (gil.failed || it.status == EXPIRED) break;
     }
