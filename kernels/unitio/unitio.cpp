@@ -30,6 +30,7 @@
 #include <linux/aio_abi.h>
 #include <linux/magic.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -359,7 +360,9 @@ struct Lease {
     free(data);
     data = nullptr, size = 0;
     void* p = nullptr;
-    if (posix_memalign(&p, kAlign, want) != 0) return nullptr;
+    const size_t huge = size_t(2) << 20;
+    if (posix_memalign(&p, want >= huge ? huge : kAlign, want) != 0) return nullptr;
+    if (want >= huge) madvise(p, want, MADV_HUGEPAGE);
     data = static_cast<unsigned char*>(p), size = want;
     return data;
   }
