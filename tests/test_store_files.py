@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import json
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -16,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.store import row, small_namespace, unit_files
+from helpers.store import preallocates, row, small_namespace, unit_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -724,26 +722,6 @@ def header_key(key: int) -> bytes:
     from canonical_ops.units.unit import normalize_key
 
     return normalize_key(key)
-
-
-IN_MEMORY = {0x01021994, 0x858458F6}  # tmpfs, ramfs: statfs f_type
-
-
-def preallocates(directory) -> bool:
-    """Whether a store should preallocate here: fallocate works and the file system is not
-    one in memory (statfs and fallocate through libc: Python has neither)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    info = ctypes.create_string_buffer(256)
-    assert libc.statfs(os.fsencode(directory), info) == 0
-    if struct.unpack_from("l", info)[0] in IN_MEMORY:
-        return False
-    fd, probe = tempfile.mkstemp(dir=directory)
-    try:
-        return libc.fallocate(fd, 0, 0, 1 << 16) == 0
-    finally:
-        os.close(fd)
-        os.unlink(probe)
 
 
 @pytest.mark.parametrize("where", ["tmp_path", "/dev/shm"])

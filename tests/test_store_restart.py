@@ -33,6 +33,7 @@ from helpers.demo_cli import (
     prompt_keys,
     run_demo,
 )
+from helpers.store import preallocates
 
 from canonical_ops import demo
 from canonical_ops.units.cli import main as store_cli
@@ -210,7 +211,7 @@ def hook(stage, path, written):
         third = started.index(path) == 2
     if third and written >= 8192:
         with open(marker + ".tmp", "w") as f:
-            f.write(path)
+            f.write(f"{written} {path}")
         os.rename(marker + ".tmp", marker)
         time.sleep(600)
 
@@ -237,8 +238,11 @@ def test_sigkill_of_the_write_phase_leaves_no_partial_unit(tmp_path):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "the write phase never reached the third unit"
             time.sleep(0.05)
-        partial = Path(marker.read_text())
-        assert partial.exists() and partial.stat().st_size < UNIT_FILE_BYTES
+        written, path = marker.read_text().split(" ", 1)
+        partial = Path(path)
+        assert int(written) < UNIT_FILE_BYTES  # paused inside the unit; its temp file holds
+        size = UNIT_FILE_BYTES if preallocates(partial.parent) else int(written)  # all blocks
+        assert partial.exists() and partial.stat().st_size == size  # where preallocated
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)

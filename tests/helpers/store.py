@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -77,3 +80,23 @@ def run_child(body: str, *args: str, timeout: float = 120) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{out}\n{err}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+IN_MEMORY = {0x01021994, 0x858458F6}  # tmpfs, ramfs: statfs f_type
+
+
+def preallocates(directory) -> bool:
+    """Whether a store should preallocate here: fallocate works and the file system is not
+    one in memory (statfs and fallocate through libc: Python has neither)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    info = ctypes.create_string_buffer(256)
+    assert libc.statfs(os.fsencode(directory), info) == 0
+    if struct.unpack_from("l", info)[0] in IN_MEMORY:
+        return False
+    fd, probe = tempfile.mkstemp(dir=directory)
+    try:
+        return libc.fallocate(fd, 0, 0, 1 << 16) == 0
+    finally:
+        os.close(fd)
+        os.unlink(probe)
