@@ -271,28 +271,30 @@ def pieces(monkeypatch, piece: int, bounce: int | None = None, *, nowait: bool =
 @pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "from-device"])
 @pytest.mark.parametrize("chunk", [4096, 5000, NS.total_bytes - 1])
 def test_only_reads_that_may_block_go_through_the_buffer_unclaimed(
-    store, monkeypatch, chunk, cached
+    tmp_path, monkeypatch, chunk, cached
 ):
     """A unit the page cache holds is read piece by piece straight into the destination
-    (RWF_NOWAIT, under the claim): no read that may block. Otherwise each read goes into the
-    thread's buffer, unclaimed, and the destination is written only after it returned: when
-    a read starts, nothing past what was read before is in the destination yet."""
-    assert store.store(7, 0, row(NS, 7), 0).ok
-    dest = np.zeros(NS.total_bytes, np.uint8)
-    reads = []
+    (RWF_NOWAIT, under the claim): no read that may block. Otherwise (buffered reads) each
+    read goes into the thread's buffer, unclaimed, and the destination is written only after
+    it returned: when a read starts, nothing past what was read before is in the destination
+    yet."""
+    with FileStore(tmp_path, NS, fsync=False, direct_reads=False) as store:
+        assert store.store(7, 0, row(NS, 7), 0).ok
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        reads = []
 
-    def hook(stage, path, offset):
-        if stage == "read":
-            payload_done = max(0, offset - header_length(7))
-            untouched = not dest[payload_done:].any()
-            reads.append((offset, current_job()._state.value, untouched))
+        def hook(stage, path, offset):
+            if stage == "read":
+                payload_done = max(0, offset - header_length(7))
+                untouched = not dest[payload_done:].any()
+                reads.append((offset, current_job()._state.value, untouched))
 
-    pieces(monkeypatch, chunk, nowait=cached)
-    monkeypatch.setattr(files_mod, "_test_hook", hook)
-    assert store.load(7, 0, 32, dest).ok and np.array_equal(dest, row(NS, 7))
-    bounce = -(-chunk // 4096) * 4096
-    expected = [] if cached else [(o, 0, True) for o in range(0, UNIT, bounce)]
-    assert reads == expected  # 0: running (not claimed) while the read may block
+        pieces(monkeypatch, chunk, nowait=cached)
+        monkeypatch.setattr(files_mod, "_test_hook", hook)
+        assert store.load(7, 0, 32, dest).ok and np.array_equal(dest, row(NS, 7))
+        bounce = -(-chunk // 4096) * 4096
+        expected = [] if cached else [(o, 0, True) for o in range(0, UNIT, bounce)]
+        assert reads == expected  # 0: running (not claimed) while the read may block
 
 
 def test_a_load_that_expired_never_writes_its_destination(tmp_path, monkeypatch) -> None:

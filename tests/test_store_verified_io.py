@@ -53,6 +53,32 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
+def cached_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache: mincore over a mapping (which faults nothing in),
+    through libc (Python has no mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            assert libc.mincore(address, size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
 def flip(path: str, offset: int) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
@@ -72,6 +98,9 @@ TRUNCATE = "import os,sys; os.truncate(sys.argv[1], int(sys.argv[2]))"
 
 
 def stored(tmp_path, **options) -> tuple[FileStore, str]:
+    """A store holding key 7 and its unit's path; reads buffered unless ``direct_reads`` or
+    ``direct_io`` is given (the default store reads a unit not all cached O_DIRECT)."""
+    options.setdefault("direct_reads", options.get("direct_io", False))
     store = FileStore(tmp_path, NS, fsync=False, **options)
     assert store.store(7, 0, row(NS, 7), 0).ok
     (path,) = unit_files(store)
@@ -91,12 +120,14 @@ def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
 
 @pytest.mark.parametrize("shift", [0, 1, 3, 60], ids=lambda s: f"dest+{s}")
 @pytest.mark.parametrize("layers", [(0, 64), (1, 63), (17, 18)], ids=lambda r: f"{r[0]}-{r[1]}")
-@pytest.mark.parametrize("path", ["page cache", "device", "O_DIRECT"])
+@pytest.mark.parametrize("path", ["page cache", "device", "O_DIRECT", "direct_reads"])
 def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers, shift):
     """Whole or partial ranges, into destinations at any alignment (the streamed copy's
     head and tail): exactly the stored bytes, and nothing around them."""
     first, end = layers
-    store, unit = stored(tmp_path, direct_io=path == "O_DIRECT")
+    store, unit = stored(
+        tmp_path, direct_io=path == "O_DIRECT", direct_reads=path in ("O_DIRECT", "direct_reads")
+    )
     with store:
         (warm if path == "page cache" else drop_cache)(unit)
         seen = stages(monkeypatch)
@@ -109,13 +140,40 @@ def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers
         assert "read" in seen if path != "page cache" else layers != (0, 64) or seen == []
 
 
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_a_cold_unit_is_read_o_direct_by_default_and_a_warm_one_from_the_page_cache(
+    tmp_path, monkeypatch, direct_reads
+):
+    """By default (``direct_reads``, as vLLM's ``fs`` reads) a unit the page cache holds
+    none of is read O_DIRECT, ahead of its hashing, and stays out of the page cache; one it
+    holds is read from there. ``direct_reads=False``: through the page cache. Writes stay
+    buffered either way; every load right."""
+    options = {} if direct_reads else {"direct_reads": False}
+    with FileStore(tmp_path, NS, fsync=False, **options) as store:
+        assert store.direct_reads == direct_reads and not store.direct_io
+        for key in (1, 2):
+            assert store.store(key, 0, row(NS, key), 0).ok
+        cold, hot = unit_files(store)
+        drop_cache(cold)
+        warm(hot)
+        assert cached_pages(cold) == 0 and cached_pages(hot) > 0
+        pages = cached_pages(hot)
+        seen = stages(monkeypatch)
+        dests = [np.zeros(NS.total_bytes, np.uint8) for _ in range(2)]
+        assert store.loads([(k, 0, 64, d) for k, d in zip((1, 2), dests)]).ok
+        assert all(np.array_equal(d, row(NS, k)) for k, d in zip((1, 2), dests))
+        assert (cached_pages(cold) == 0) == direct_reads and cached_pages(hot) == pages
+        assert ("prefetch" in seen) != direct_reads  # buffered: WILLNEED for the cold one
+
+
 @pytest.mark.parametrize("state", ["cold", "warm", "direct_io"])
 def test_a_batch_asks_for_its_later_units_ahead_of_their_reads(tmp_path, monkeypatch, state):
     """Buffered loads of units the page cache does not hold: the batch asks for the next
     16 MiB of units (WILLNEED) before it reads the first, and the rest as it goes, so the
     device reads them while earlier ones are hashed and copied; none for units all cached,
     none with direct_io (read O_DIRECT). Every unit loads right."""
-    store = FileStore(tmp_path, NS, fsync=False, direct_io=state == "direct_io")
+    direct = state == "direct_io"
+    store = FileStore(tmp_path, NS, fsync=False, direct_io=direct, direct_reads=direct)
     with store:
         for key in range(20):  # 1 MiB payloads: 16 fit the window
             assert store.store(key, 0, row(NS, key), 0).ok
@@ -332,7 +390,7 @@ def test_a_batch_short_of_descriptors_opens_its_units_at_their_turn(tmp_path, st
     opened at their turn and every unit loads right (none is an error)."""
     import resource
 
-    store = FileStore(tmp_path, NS, fsync=False)
+    store = FileStore(tmp_path, NS, fsync=False, direct_reads=False)
     with store:
         for key in range(12):
             assert store.store(key, 0, row(NS, key), 0).ok
@@ -377,11 +435,13 @@ def test_a_byte_flipped_on_disk_is_a_miss_from_the_page_cache(tmp_path, monkeypa
         assert is_a_miss(store) and seen == []  # RWF_NOWAIT: from the page cache
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+@pytest.mark.parametrize("direct", ["buffered", "direct_reads", "direct_io"])
 def test_a_byte_flipped_then_read_again_from_the_device_is_a_miss(tmp_path, monkeypatch, direct):
     """The unit's pages were dropped from the page cache (after a load from it) and read
     again, a byte flipped meanwhile: the device's bytes are verified too."""
-    store, path = stored(tmp_path, direct_io=direct)
+    store, path = stored(
+        tmp_path, direct_io=direct == "direct_io", direct_reads=direct != "buffered"
+    )
     with store:
         assert store.load(7, 0, 64, np.zeros(NS.total_bytes, np.uint8)).ok  # warm, fine
         flip(path, HEADER_BYTES + 123_457)

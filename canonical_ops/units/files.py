@@ -112,9 +112,11 @@ class FileStore(UnitStore):
     ``threads``/``queue_depth``/``deadline_s``: its own :class:`JobPool` (4, 64, 30 s;
     None: no deadline), or a shared ``pool`` (whose deadline applies). ``fsync``: sync
     data and directories before a unit counts (False: crash safe, not power-loss safe; a
-    torn unit is a miss, never a load). ``direct_io``: O_DIRECT writes, and O_DIRECT
-    reads of a unit the page cache does not hold (one it holds is read from it), where the
-    file system allows O_DIRECT (``store.direct_io`` says what is used).
+    torn unit is a miss, never a load). ``direct_reads``: a unit the page cache does not
+    hold whole is read O_DIRECT, its reads ahead of its hashing (one it holds is read from
+    the cache; vLLM's ``fs`` reads O_DIRECT too); ``direct_io``: O_DIRECT writes as well.
+    Either only where the file system allows O_DIRECT (``store.direct_reads`` and
+    ``store.direct_io`` say what is used).
     ``group_shared``: dirs 0770 / files 0660 and group-owned dirs trusted (default 0700 /
     0600, this user's only). ``secret``: authenticated units (:mod:`.auth`).
     ``recency_granularity_s``: eviction's recency buckets; ``stale_tmp_s``: age after
@@ -133,6 +135,7 @@ class FileStore(UnitStore):
         pool: JobPool | None = None,
         deadline_s: float | None = DEFAULT_DEADLINE_S,
         direct_io: bool = False,
+        direct_reads: bool = True,
         group_shared: bool = False,
         secret: Any = None,
         recency_granularity_s: float = 1.0,
@@ -143,6 +146,7 @@ class FileStore(UnitStore):
             raise TypeError(f"root: expected a path (str or os.PathLike), got {root!r}")
         check_type("namespace", namespace, StoreNamespace)
         fsync, direct_io = check_bool("fsync", fsync), check_bool("direct_io", direct_io)
+        direct_reads = check_bool("direct_reads", direct_reads) or direct_io
         group_shared = check_bool("group_shared", group_shared)
         if capacity_bytes is not None:
             capacity_bytes = check_int("capacity_bytes", capacity_bytes, minimum=0)
@@ -161,7 +165,8 @@ class FileStore(UnitStore):
         try:  # a root that cannot be opened, or written (the probe)
             root_fd = fsutil.open_root(self.root, self._perms)
             try:
-                self.direct_io = fsutil.probe(root_fd, direct_io)
+                self.direct_reads = fsutil.probe(root_fd, direct_reads)
+                self.direct_io = direct_io and self.direct_reads
             except BaseException:
                 os.close(root_fd)
                 raise
@@ -484,7 +489,7 @@ class FileStore(UnitStore):
             _PIECE_BYTES,
             _BOUNCE_BYTES,
             _NOWAIT,
-            self.direct_io,
+            self.direct_reads,
             time.time_ns(),
             self._policy.granularity_ns,
             self._hook(),

@@ -495,7 +495,8 @@ def _secret(authenticated: Any) -> Any:
 class CanonicalFileTier(_CanonicalTier):
     """``canonical_fs``: vLLM's ``fs`` tier, as checksummed units of a :class:`FileStore`.
     Options (the ``secondary_tiers`` entry's; README "vLLM tiers"): ``root_dir``,
-    ``capacity_bytes``, ``fsync``, ``direct_io``, ``group_shared`` and every tier's."""
+    ``capacity_bytes``, ``fsync``, ``direct_io``, ``direct_reads``, ``group_shared`` and
+    every tier's."""
 
     def __init__(
         self,
@@ -506,6 +507,7 @@ class CanonicalFileTier(_CanonicalTier):
         capacity_bytes: int | None = None,
         fsync: bool = False,
         direct_io: bool = False,
+        direct_reads: bool = True,
         group_shared: bool = False,
         **options: Any,
     ) -> None:
@@ -516,6 +518,7 @@ class CanonicalFileTier(_CanonicalTier):
             capacity_bytes=capacity_bytes,
             fsync=fsync,
             direct_io=direct_io,
+            direct_reads=direct_reads,
             group_shared=group_shared,
         )
         super().__init__(offloading_spec, primary_kv_view, tier_type, **options)

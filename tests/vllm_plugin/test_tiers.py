@@ -212,6 +212,33 @@ def test_a_flipped_bit_loads_wrong_bytes_through_fs_and_misses_through_canonical
     assert reader.load(keys[1:2]) == {keys[1]: None}  # and stays a miss
 
 
+def test_cold_units_are_read_o_direct_unless_direct_reads_is_off(
+    plugin_registered, models, engines, tmp_path
+):
+    """``direct_reads`` (default on, where the file system allows O_DIRECT) reaches the store;
+    writes stay buffered unless ``direct_io``. Both settings load the same rows."""
+    from canonical_ops.units import fsutil
+
+    root_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        o_direct_here = fsutil.probe(root_fd, True)
+    finally:
+        os.close(root_fd)
+    keys = chunk_keys(2, "direct")
+    writer = engines(models["llama8"], [fs_tier(tmp_path)])
+    rows = writer.random_rows(keys, seed=5)
+    writer.store(rows)
+    for options, direct in (({}, o_direct_here), ({"direct_reads": False}, False)):
+        reader = engines(models["llama8"], [fs_tier(tmp_path, **options)])
+        store = reader.tiers[0].store
+        assert (store.direct_reads, store.direct_io) == (direct, False)
+        for path in (os.path.join(d, n) for d, _, ns in os.walk(store.directory) for n in ns):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: from the device
+            os.close(fd)
+        assert reader.load(keys) == rows
+
+
 # --------------------------------------------------------------------------- capacity, events
 
 
@@ -354,6 +381,7 @@ def test_authenticated_units_are_read_only_with_the_same_secret(
         ({"type": "canonical_fs", "model_name": ""}, TypeError, "model_name"),
         ({"type": "canonical_fs", "root_dir": 5}, TypeError, "root_dir"),
         ({"type": "canonical_fs", "authenticated": "yes"}, TypeError, "authenticated"),
+        ({"type": "canonical_fs", "direct_reads": "yes"}, TypeError, "direct_reads"),
         ({"type": "canonical_redis", "url": "localhost"}, TypeError, "url"),
         (
             {"type": "canonical_redis", "url": "redis://127.0.0.1:1", "redis_options": {"pool": 1}},
