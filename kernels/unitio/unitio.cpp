@@ -1181,8 +1181,8 @@ struct UnitWriter : Worker<StoreItem, StoreOptions> {
       return ERROR;
     }
     size_t total = 0;
-    bool ok = (!opt.perms.group_shared || fchmod(fd, opt.perms.file_mode) == 0) &&
-              preallocate() && write_stream(&total) && (!opt.fsync || fdatasync(fd) == 0);
+    bool ok = (!opt.perms.group_shared || fchmod(fd, opt.perms.file_mode) == 0) && preallocate() &&
+              write_stream(&total) && (!opt.fsync || fdatasync(fd) == 0);
     int saved = errno;
     close(fd);
     if (ok) ok = hook.call("publish", "tmp", item.temp, static_cast<long long>(total));
