@@ -731,9 +731,9 @@ def header_key(key: int) -> bytes:
 def test_a_unit_is_preallocated_before_its_bytes_are_written(
     tmp_path, monkeypatch, where, direct
 ) -> None:
-    """Before its first byte is written a unit's temp file holds its blocks (one extent on
-    ext4), except in memory (tmpfs, ramfs), where fallocate would zero the pages the write
-    fills; the unit's bytes are the same either way."""
+    """Before its first byte is written a unit's temp file holds its blocks on ext4 (one
+    extent), and only there (tmpfs: fallocate would zero the pages the write fills; XFS:
+    measured slower); the unit's bytes are the same either way."""
     if where == "tmp_path" or not os.path.isdir(where):
         root = tmp_path
     else:
