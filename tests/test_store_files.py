@@ -799,8 +799,11 @@ def test_direct_io_falls_back_where_the_file_system_refuses_it(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "open", no_direct)
     with FileStore(tmp_path, NS, fsync=False, direct_io=True) as s:
-        assert not s.direct_io  # buffered, and it works
+        assert not s.direct_io and not s.direct_reads  # buffered, and it works
         assert s.store(1, 0, row(NS, 1), 0).ok
+        assert s.load(1, 0, 32, np.zeros(NS.total_bytes, np.uint8)).ok
+    with FileStore(tmp_path, NS, fsync=False) as s:  # the default's direct reads, too
+        assert not s.direct_reads
         assert s.load(1, 0, 32, np.zeros(NS.total_bytes, np.uint8)).ok
 
 
