@@ -17,8 +17,8 @@
 //   block, from the batch's aligned buffer in 4 KiB blocks, each hashed while in L1 and
 //   then streamed (non-temporal stores) into the destination. An expired job writes nothing.
 //   A buffered batch asks the page cache for its next units ahead of reading them (WILLNEED);
-//   with direct_io, its O_DIRECT pieces are submitted ahead (Linux AIO) into a ring in that
-//   buffer, and every read submitted is waited for before the buffer is given back.
+//   with direct reads (the default), its O_DIRECT pieces are submitted ahead (Linux AIO) into a
+//   ring in that buffer, and every read submitted is waited for before the buffer is given back.
 // - A store writes a temp file (hashing each piece as it goes), optionally fdatasyncs it
 //   and moves it under its name only under the claim: renameat2(RENAME_NOREPLACE) (or
 //   link() where the file system lacks it) never replaces, so the first writer wins, and
@@ -601,7 +601,7 @@ struct Opened {
   int status = SKIPPED;  // OK: open and checked
   bool whole = false;    // all of it in the page cache
   bool asked = false;    // WILLNEED given ahead of its turn
-  bool direct = false;   // read O_DIRECT through the batch's ring (direct_io, not all cached)
+  bool direct = false;   // read O_DIRECT through the batch's ring (direct reads, not all cached)
   size_t total = 0;
   long long used_ns = 0;  // its last use (atime or mtime)
 };
@@ -958,9 +958,9 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 
   // What the page cache holds of the unit (cachestat; unknown counts as not all) decides how
   // it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all, with
-  // direct_io: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is asked
-  // for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows), then
-  // each piece comes from the page cache once there, else is waited for alone (read into the
+  // direct reads: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is
+  // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows),
+  // then each piece comes from the page cache once there, else is waited for alone (read into the
   // buffer); the next piece tries the page cache again.
   int read_unit(const Opened& u) {
     hl = item.head.len;
@@ -982,7 +982,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
           pos += n;
           continue;
         }
-        cached = !tried || !opt.direct;  // not there: with direct_io, the rest O_DIRECT
+        cached = !tried || !opt.direct;  // not there: with direct reads, the rest O_DIRECT
       }
       if (!cached) n = std::min(opt.bounce, total - pos);
       if (int status = buffered_piece(pos, n); status != OK) return status;
