@@ -25,23 +25,51 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("threads", [3, 4, 32])
+@pytest.mark.parametrize("threads", [2, 3, 4, 32])
 def test_a_load_starts_while_stores_fill_every_thread_they_may_have(threads) -> None:
     """Stores stuck in I/O on every thread they may take, more queued: a load submitted
     now runs to completion before any store moves (no timing: the stores never move)."""
     gate = threading.Event()
     stuck = lambda: gate.wait() and None  # noqa: E731
     with JobPool(threads=threads, queue_depth=4 * threads) as pool:
+        writers = threads - pool.read_threads
         try:
             stores = [pool.submit("stores", stuck) for _ in range(2 * threads)]
-            wait_until(lambda: pool.stats().running == threads - 1)
+            wait_until(lambda: pool.stats().running == writers)
             load = pool.wait(pool.submit("loads", lambda: None), timeout=10)
             lookup = pool.wait(pool.submit("lookup", lambda: None), timeout=10)
             assert load.ok and lookup.ok and not any(job.done for job in stores)
-            assert pool.stats().running == threads - 1  # one reader kept free, still
+            time.sleep(0.05)  # a reader that took a store would show now
+            assert pool.stats().running == writers  # every reader still free
         finally:
             gate.set()
         assert all(pool.wait(job, timeout=10).ok for job in stores)
+
+
+@pytest.mark.parametrize(("threads", "read_threads"), [(2, 1), (4, 2), (16, 8), (4, 3)])
+def test_stores_run_only_on_write_priority_threads(threads, read_threads) -> None:
+    """Where the pool has writers, a store never runs on a reader, however many readers
+    are idle (they would compete with the loads for the CPU); reads run on either."""
+    ran: dict[str, set[threading.Thread]] = {"store": set(), "load": set()}
+
+    def work(kind: str) -> None:
+        ran[kind].add(threading.current_thread())
+        time.sleep(0.001)
+
+    with JobPool(threads=threads, queue_depth=256, read_threads=read_threads) as pool:
+        jobs = [pool.submit("store", lambda: work("store")) for _ in range(4 * threads)]
+        jobs += [pool.submit("load", lambda: work("load")) for _ in range(threads)]
+        assert all(pool.wait(job, timeout=10).ok for job in jobs)
+        assert ran["store"] and not ran["store"] & pool._readers
+        assert len(ran["store"]) <= threads - read_threads
+
+
+def test_a_pool_of_readers_only_still_runs_stores() -> None:
+    """read_threads == threads: no writer to run them, so the readers take stores when no
+    read is queued (vLLM's rule)."""
+    with JobPool(threads=3, queue_depth=16, read_threads=3) as pool:
+        jobs = [pool.submit("store", lambda: time.sleep(0.001)) for _ in range(6)]
+        assert all(pool.wait(job, timeout=10).ok for job in jobs)
 
 
 def test_queued_reads_go_first_and_writes_are_not_starved() -> None:
@@ -73,7 +101,7 @@ def test_a_file_store_load_is_not_queued_behind_its_stores(tmp_path, monkeypatch
         monkeypatch.setattr(files_mod, "_test_hook", hook)
         try:
             stores = [store.submit_stores([(10 + i, 0, row(NS, 10 + i), 0)]) for i in range(6)]
-            wait_until(lambda: len(stuck) == 3)  # 2 writers + 1 of the 2 readers
+            wait_until(lambda: len(stuck) == 2)  # the 2 writers; the 2 readers stay free
             dest = np.zeros(NS.total_bytes, np.uint8)
             load = store.pool.wait(store.submit_loads([(1, 0, 8, dest)]), timeout=10)
             assert load.ok and np.array_equal(dest, row(NS, 1))
