@@ -190,6 +190,7 @@ class JobPool:
             if read_threads is None
             else check_int("read_threads", read_threads, minimum=1, maximum=self.threads)
         )
+        self._has_writers = self.read_threads < self.threads  # then readers take no writes
         self._reads: deque[IOJob] = deque()
         self._writes: deque[IOJob] = deque()
         lock = threading.RLock()
@@ -286,9 +287,7 @@ class JobPool:
     def _wake_one_locked(self, reader: bool) -> None:
         """Wake one sleeping worker, of this priority if one sleeps (a write in a pool
         with writers: only a writer, as no reader may take it)."""
-        roles = (
-            (False,) if not reader and self.read_threads < self.threads else (reader, not reader)
-        )
+        roles = (False,) if not reader and self._has_writers else (reader, not reader)
         for role in roles:
             if self._sleeping[role]:
                 self._sleeping[role] -= 1
@@ -309,7 +308,7 @@ class JobPool:
         first, then = (self._reads, self._writes) if reader else (self._writes, self._reads)
         if first:
             return first.popleft()
-        if not then or (reader and self.read_threads < self.threads):
+        if not then or (reader and self._has_writers):
             return None  # a reader takes writes only in a pool without writers
         return then.popleft()
 
