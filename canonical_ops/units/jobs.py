@@ -3,13 +3,14 @@
 The engine's thread submits (never blocking: a full queue gives a finished ``"refused"``
 job) and polls; worker threads do the I/O, a work function's exception becoming the job's
 ``error``. Loads never wait behind stores: reads (``load``, ``loads``, ``lookup`` jobs) and
-writes (every other kind) have a queue each; read-priority threads take only reads where
-the pool has write-priority threads, and these take writes first, then reads (vLLM's
-``DualQueueThreadPool`` also lets readers take writes; measured here, readers running
-stores tripled a load's p99 while stores stream: the stores' threads compete for the CPU,
-not only for the queue). On Linux the write-priority threads run ``WRITE_NICE`` above the
-process's nice, so where stores keep every CPU busy a load's thread still gets most of one.
-Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
+writes (every other kind) have a queue each; write-priority threads take writes first,
+then reads; read-priority threads take reads first, and a write only while stores run on
+fewer threads than the process has CPUs and another reader stays free (vLLM's
+``DualQueueThreadPool`` lets readers take writes freely: measured here, readers running
+stores beyond the CPUs tripled a load's p99 while stores stream, for no store throughput;
+below the CPUs they double a small pool's). On Linux the write-priority threads run
+``WRITE_NICE`` above the process's nice, so where stores keep every CPU busy a load's
+thread still gets most of one. Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
 ``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
 abandoned and replaced). A work function calls ``current_job().claim()`` right before it
 writes caller memory or publishes, and does bounded work until ``release()``: an expired
@@ -116,6 +117,13 @@ class IOJob:
 _DETACHED = IOJob(-1, "detached")  # what current_job() gives outside a job: claim() is True
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform tells it)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def current_job() -> IOJob:
     """The job the calling thread is running (a detached one, never expiring, outside jobs)."""
     return getattr(_local, "job", _DETACHED)
@@ -167,10 +175,10 @@ class JobPool:
     it submissions are refused), named ``name``-N; ``deadline_s``: seconds a job may run
     from its start before it finishes ``"expired"`` (None: no deadline). The first
     ``read_threads`` workers (default ``(threads + 1) // 2``; 1 to ``threads``) are
-    read-priority, the others write-priority (see the module): a read submitted while
-    stores fill the pool starts at once on a free reader, or else after a read, never after
-    a store; stores run on at most ``threads - read_threads`` threads (all of them when
-    ``read_threads == threads``: the readers then take writes when no read is queued)."""
+    read-priority, the others write-priority (see the module): with 2 readers or more, a
+    read submitted while stores fill the pool starts at once on a free reader, or else after
+    a read, never after a store (1 reader: it also takes writes when no read is queued, as
+    vLLM's)."""
 
     def __init__(
         self,
@@ -190,7 +198,7 @@ class JobPool:
             if read_threads is None
             else check_int("read_threads", read_threads, minimum=1, maximum=self.threads)
         )
-        self._has_writers = self.read_threads < self.threads  # then readers take no writes
+        self._cpus = usable_cpus()  # readers lend a hand with stores below this many
         self._reads: deque[IOJob] = deque()
         self._writes: deque[IOJob] = deque()
         lock = threading.RLock()
@@ -285,10 +293,10 @@ class JobPool:
             self._finished[job.job_id] = job
 
     def _wake_one_locked(self, reader: bool) -> None:
-        """Wake one sleeping worker, of this priority if one sleeps (a write in a pool
-        with writers: only a writer, as no reader may take it)."""
-        roles = (False,) if not reader and self._has_writers else (reader, not reader)
-        for role in roles:
+        """Wake one sleeping worker, of this priority if one sleeps (a write: a reader
+        only if it may take one now)."""
+        helps = reader or self._reader_may_write_locked()
+        for role in (reader, not reader) if helps else (reader,):
             if self._sleeping[role]:
                 self._sleeping[role] -= 1
                 self._wake[role].notify()
@@ -308,9 +316,27 @@ class JobPool:
         first, then = (self._reads, self._writes) if reader else (self._writes, self._reads)
         if first:
             return first.popleft()
-        if not then or (reader and self._has_writers):
-            return None  # a reader takes writes only in a pool without writers
+        if not then or (reader and not self._reader_may_write_locked()):
+            return None
         return then.popleft()
+
+    def _reader_may_write_locked(self) -> bool:
+        """Whether a reader may take a write now: every writer is busy, stores run on
+        fewer threads than the process has CPUs (beyond, a store adds no speed, only CPU
+        taken from the loads) and, with 2 readers or more, another reader stays free."""
+        writes = busy_readers = busy_writers = 0
+        for thread, job in self._running.items():
+            writes += job.kind not in READ_KINDS
+            if thread in self._readers:
+                busy_readers += 1
+            else:
+                busy_writers += 1
+        readers = len(self._readers)
+        return (
+            busy_writers == self.threads - readers
+            and writes < self._cpus
+            and (readers < 2 or readers - busy_readers >= 2)
+        )
 
     def _run(self, reader: bool) -> None:
         me = threading.current_thread()
@@ -329,6 +355,9 @@ class JobPool:
                     self._wake[reader].wait()
                     continue
                 self._running[me] = job  # the watchdog wakes at least once a deadline
+                if self._writes and self._sleeping[True] and self._reader_may_write_locked():
+                    self._sleeping[True] -= 1  # a reader may now lend a hand with them
+                    self._wake[True].notify()
                 self._lock.release()
                 try:
                     _execute(job)

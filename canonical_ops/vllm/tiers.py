@@ -193,7 +193,7 @@ class _CanonicalTier(SecondaryTierManager):
             queue_depth,
             name=f"ckv-{tier_type}",
             deadline_s=deadline_s,
-            read_threads=reads,  # n_read_threads: loads only; n_write_threads: stores, then loads
+            read_threads=reads,  # vLLM's split: n_read_threads prefer loads
         )
         self._lookup_pool = JobPool(1, 4, name=f"ckv-{tier_type}-lookup", deadline_s=deadline_s)
         try:

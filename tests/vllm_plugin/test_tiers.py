@@ -413,7 +413,7 @@ def test_unit_keys_put_the_payload_on_a_cache_line_and_give_the_offload_key_back
     assert len({unit_key(k) for k in tricky}) == len(set(tricky))
 
 
-def test_the_tiers_read_threads_take_loads_only(plugin_registered, models, tmp_path):
+def test_the_tiers_read_threads_prefer_loads(plugin_registered, models, tmp_path):
     """vLLM's n_read_threads / n_write_threads become the pool's read- and write-priority
     workers (loads never wait behind a burst of cascades)."""
     tier = {**fs_tier(tmp_path), "n_read_threads": 3, "n_write_threads": 1}
