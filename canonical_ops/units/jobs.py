@@ -4,14 +4,14 @@ The engine's thread submits (never blocking: a full queue gives a finished ``"re
 job) and polls; worker threads do the I/O, a work function's exception becoming the job's
 ``error``. Loads never wait behind stores: reads (``load``, ``loads``, ``lookup`` jobs) and
 writes (every other kind) have a queue each; write-priority threads take writes first,
-then reads; read-priority threads take reads first, and a write only while stores run on
-fewer threads than the process has CPUs and another reader stays free (vLLM's
-``DualQueueThreadPool`` lets readers take writes freely: measured here, readers running
-stores beyond the CPUs tripled a load's p99 while stores stream, for no store throughput;
-below the CPUs they double a small pool's). On Linux the write-priority threads run
-``WRITE_NICE`` above the process's nice, so where stores keep every CPU busy a load's
-thread still gets most of one. Statuses: ``queued``, ``running``, then ``ok``, ``miss``, ``corrupt``,
-``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
+then reads; read-priority threads take reads first, and a write only while every writer
+is busy, stores run on fewer threads than the process has CPUs and another reader stays
+free (vLLM's ``DualQueueThreadPool`` lets readers take writes freely: measured here,
+readers running stores beyond the CPUs tripled a load's p99 while stores stream, for no
+store throughput; below the CPUs they double a small pool's). On Linux the write-priority
+threads run ``WRITE_NICE`` above the process's nice, so where stores keep every CPU busy
+a load's thread still gets most of one. Statuses: ``queued``, ``running``, then ``ok``,
+``miss``, ``corrupt``, ``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
 abandoned and replaced). A work function calls ``current_job().claim()`` right before it
 writes caller memory or publishes, and does bounded work until ``release()``: an expired
 job never writes (claim and expiry swap one native state word, also used by ``_unitio``).
