@@ -11,8 +11,8 @@ readers running stores beyond the CPUs tripled a load's p99 while stores stream,
 store throughput; below the CPUs they double a small pool's). On Linux the write-priority
 threads run ``WRITE_NICE`` above the process's nice, so where stores keep every CPU busy
 a load's thread still gets most of one. Statuses: ``queued``, ``running``, then ``ok``,
-``miss``, ``corrupt``, ``error``, ``refused``, ``cancelled`` or ``expired`` (past ``deadline_s``: its thread is
-abandoned and replaced). A work function calls ``current_job().claim()`` right before it
+``miss``, ``corrupt``, ``error``, ``refused``, ``cancelled`` or ``expired`` (past
+``deadline_s``: its thread is abandoned and replaced). A work function calls ``current_job().claim()`` right before it
 writes caller memory or publishes, and does bounded work until ``release()``: an expired
 job never writes (claim and expiry swap one native state word, also used by ``_unitio``).
 """
