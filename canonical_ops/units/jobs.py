@@ -12,9 +12,10 @@ store throughput; below the CPUs they double a small pool's). On Linux the write
 threads run ``WRITE_NICE`` above the process's nice, so where stores keep every CPU busy
 a load's thread still gets most of one. Statuses: ``queued``, ``running``, then ``ok``,
 ``miss``, ``corrupt``, ``error``, ``refused``, ``cancelled`` or ``expired`` (past
-``deadline_s``: its thread is abandoned and replaced). A work function calls ``current_job().claim()`` right before it
-writes caller memory or publishes, and does bounded work until ``release()``: an expired
-job never writes (claim and expiry swap one native state word, also used by ``_unitio``).
+``deadline_s``: its thread is abandoned and replaced). A work function calls
+``current_job().claim()`` right before it writes caller memory or publishes, and does
+bounded work until ``release()``: an expired job never writes (claim and expiry swap one
+native state word, also used by ``_unitio``).
 """
 
 from __future__ import annotations
