@@ -148,7 +148,7 @@ def test_a_stuck_job_expires_and_its_thread_is_replaced() -> None:
         return JobOutcome("ok", value="late")
 
     stuck_on: set[str] = set()
-    # Two writers (stores run only there) and a reader.
+    # Two writers and a reader (which takes no store while a writer is free).
     with JobPool(threads=3, queue_depth=8, deadline_s=0.2, read_threads=1) as pool:
         started = time.perf_counter()
         jobs = [pool.submit("stuck", stuck) for _ in range(2)]

@@ -296,12 +296,12 @@ class JobPool:
     def _wake_one_locked(self, reader: bool) -> None:
         """Wake one sleeping worker, of this priority if one sleeps (a write: a reader
         only if it may take one now)."""
-        helps = reader or self._reader_may_write_locked()
-        for role in (reader, not reader) if helps else (reader,):
-            if self._sleeping[role]:
-                self._sleeping[role] -= 1
-                self._wake[role].notify()
-                return
+        role = reader
+        if not self._sleeping[role] and (reader or self._reader_may_write_locked()):
+            role = not reader  # none of its priority sleeps: one of the others
+        if self._sleeping[role]:
+            self._sleeping[role] -= 1
+            self._wake[role].notify()
 
     def _wake_all_locked(self) -> None:
         for role in (True, False):
