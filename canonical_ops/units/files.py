@@ -10,7 +10,6 @@ Each process indexes what it knows (:mod:`.policy`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import json
@@ -25,7 +24,7 @@ import canonical_ops._unitio as _unitio
 from ..checks import check_bool, check_int, check_seconds, check_type
 from . import fsutil, unitfile
 from .fsutil import Dirs, Perms, StoreRootError, UnsafePath, open_file
-from .jobs import JobOutcome, JobPool, current_job
+from .jobs import JobOutcome, JobPool, current_job, ok_outcome
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy
 from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
@@ -325,7 +324,7 @@ class FileStore(UnitStore):
                         size = header_length(req.raw_key) + len(req.payload)
                         stored.append(Entry(req.raw_key, *ident, size, req.position, now))
                         nbytes += len(req.payload)
-                        out[i] = JobOutcome("ok", nbytes=len(req.payload))
+                        out[i] = ok_outcome(len(req.payload))
                     else:
                         out[i] = self._stored(reqs[i], result)
             finally:
@@ -431,21 +430,21 @@ class FileStore(UnitStore):
         """Read and verify the units covering each request, all in one native call; a bad
         unit is quarantined and its request tries another cover, else it is a miss."""
         out: list[Any] = [None] * len(reqs)
-        bad: list[set] = [set() for _ in reqs]  # units that failed, per request
-        why: list[list[str]] = [[] for _ in reqs]
-        todo, refreshed, ns = range(len(reqs)), set(), self.namespace
+        bad: dict[int, set] = {}  # units that failed, per request (few: built when needed)
+        why: dict[int, list[str]] = {}
+        todo, refreshed, ns, cover = range(len(reqs)), set(), self.namespace, self._policy.cover
         while todo:
             plan = []
             for i in todo:
                 req = reqs[i]
-                chain = self._policy.cover(req.kd, req.first, req.end, bad[i])
+                chain = cover(req.kd, req.first, req.end, bad.get(i, ()))
                 if chain is None and i not in refreshed:
                     refreshed.add(i)
                     self._refresh_key(req.kd)
-                    chain = self._policy.cover(req.kd, req.first, req.end, bad[i])
+                    chain = cover(req.kd, req.first, req.end, bad.get(i, ()))
                 if chain is None:
                     self._count("misses")
-                    out[i] = JobOutcome("miss", detail="; ".join(why[i]) or "not stored")
+                    out[i] = JobOutcome("miss", detail="; ".join(why.get(i, ())) or "not stored")
                 plan += [(i, e) for e in chain or ()]
             items = [
                 unitfile.load_item(ns, reqs[i], e.first, e.end, self._dirs.fan(e.kd))
@@ -464,18 +463,26 @@ class FileStore(UnitStore):
                     self._count("misses")
                     out[i] = JobOutcome("error", detail=f"read failed: {error}", error=error)
                     continue
-                bad[i].add(e.ident)
-                why[i].append(f"{e.first}-{e.end} {problem}")
+                bad.setdefault(i, set()).add(e.ident)
+                why.setdefault(i, []).append(f"{e.first}-{e.end} {problem}")
                 retry.add(i)
             now = time.time_ns()
             with self._lock:  # recency of the units read, at once
                 for e in used:
                     self._policy.touch(e, now)
-            units, hits, loaded, nbytes = collections.Counter(i for i, _ in plan), 0, 0, 0
-            for i in units.keys() - retry:
-                if out[i] is None:
-                    hits, loaded, nbytes = hits + 1, loaded + units[i], nbytes + len(reqs[i].dest)
-                    out[i] = JobOutcome("ok", nbytes=len(reqs[i].dest), detail="; ".join(why[i]))
+            units: dict[int, int] = {}  # units read per request
+            for i, _ in plan:
+                units[i] = units.get(i, 0) + 1
+            hits = loaded = nbytes = 0
+            for i, n in units.items():
+                if i not in retry and out[i] is None:
+                    size = len(reqs[i].dest)
+                    hits, loaded, nbytes = hits + 1, loaded + n, nbytes + size
+                    out[i] = (
+                        JobOutcome("ok", nbytes=size, detail="; ".join(why[i]))
+                        if i in why
+                        else ok_outcome(size)
+                    )
             if hits:
                 self._count("hits", hits, units_loaded=loaded, bytes_loaded=nbytes)
             todo = sorted(retry)

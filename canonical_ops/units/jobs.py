@@ -33,7 +33,16 @@ from typing import Any
 from .._unitio import JobState
 from ..checks import check_int, check_seconds
 
-__all__ = ["FINISHED", "IOJob", "JobOutcome", "JobPool", "PoolStats", "current_job", "run_inline"]
+__all__ = [
+    "FINISHED",
+    "IOJob",
+    "JobOutcome",
+    "JobPool",
+    "PoolStats",
+    "current_job",
+    "ok_outcome",
+    "run_inline",
+]
 
 FINISHED = frozenset({"ok", "miss", "corrupt", "error", "refused", "cancelled", "expired"})
 READ_KINDS = frozenset({"load", "loads", "lookup"})  # the read queue's; the rest: writes
@@ -56,6 +65,20 @@ class JobOutcome:
     def __post_init__(self) -> None:
         if self.status not in _OUTCOMES:
             raise ValueError(f"status: expected one of {sorted(_OUTCOMES)}, got {self.status!r}")
+
+
+_OK: dict[int, JobOutcome] = {}
+
+
+def ok_outcome(nbytes: int) -> JobOutcome:
+    """``JobOutcome("ok", nbytes)``, one shared instance per size (immutable): every unit a
+    batch moves has one, and building a frozen dataclass costs about a microsecond."""
+    outcome = _OK.get(nbytes)
+    if outcome is None:
+        if len(_OK) >= 1024:  # unit sizes are few
+            _OK.clear()
+        outcome = _OK[nbytes] = JobOutcome("ok", nbytes=nbytes)
+    return outcome
 
 
 Work = Callable[[], JobOutcome | None]  # a job's work function

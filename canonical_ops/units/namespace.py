@@ -325,7 +325,9 @@ class StoreNamespace:
         """Bytes of one unit of every layer."""
         return self._prefix[-1]
 
-    def _range(self, first: Any, end: Any) -> tuple[int, int]:
+    def layer_range(self, first: Any, end: Any) -> tuple[int, int]:
+        """``(first, end)`` as ints, ``ValueError`` / ``TypeError`` naming them unless
+        ``0 <= first < end <= num_layers``."""
         if type(first) is int and type(end) is int and 0 <= first < end < len(self._prefix):
             return first, end  # the hot path of every store and load
         first = check_int("first", first, minimum=0, maximum=self.num_layers - 1)
@@ -333,17 +335,17 @@ class StoreNamespace:
 
     def layer_bytes(self, first: int, end: int) -> int:
         """Payload bytes of a unit of layers ``[first, end)``."""
-        first, end = self._range(first, end)
+        first, end = self.layer_range(first, end)
         return self._prefix[end] - self._prefix[first]
 
     def payload_offsets(self, first: int, end: int) -> tuple[int, ...]:
         """Offset of each layer ``first .. end-1`` in such a unit, then its length."""
-        first, end = self._range(first, end)
+        first, end = self.layer_range(first, end)
         return tuple(p - self._prefix[first] for p in self._prefix[first : end + 1])
 
     def layer_span(self, first: int, end: int) -> tuple[int, int]:
         """``[start, stop)`` of layers ``[first, end)`` in a unit of every layer."""
-        first, end = self._range(first, end)
+        first, end = self.layer_range(first, end)
         return self._prefix[first], self._prefix[end]
 
     def unit_ends(self, first: int, payload_bytes: int) -> list[int]:

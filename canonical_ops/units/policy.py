@@ -96,6 +96,8 @@ class LruPolicy:
         """Units of ``kd`` covering layers [first, end): the exact one if any, else greedy
         (each reaching furthest); None when they do not. ``excluded``: idents to skip."""
         ranges = self._by_key.get(kd, {})
+        if not excluded and (exact := ranges.get((first, end))) is not None:
+            return [exact]  # the usual case: the unit asked for
         if excluded:
             ranges = {r: e for r, e in ranges.items() if e.ident not in excluded}
         chain = cover(ranges, first, end)

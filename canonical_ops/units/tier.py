@@ -6,7 +6,6 @@ and inline forms. A store implements ``_lookup``, ``_store_units`` and ``_load_u
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,10 +104,14 @@ _STATUS_ORDER = {"ok": 0, "miss": 1, "corrupt": 2, "error": 3}
 
 def batch_outcome(outcomes: list[JobOutcome]) -> JobOutcome:
     """The outcome of a batch job: the worst status, the counts, each item's outcome."""
-    worst = max((o.status for o in outcomes), key=_STATUS_ORDER.__getitem__, default="ok")
-    counts = sorted(Counter(o.status for o in outcomes).items())
-    detail = ", ".join(f"{n} {status}" for status, n in counts)
-    return JobOutcome(worst, nbytes=sum(o.nbytes for o in outcomes), detail=detail, value=outcomes)
+    counts: dict[str, int] = {}
+    nbytes = 0
+    for o in outcomes:  # one pass: this runs once per job on the I/O path
+        counts[o.status] = counts.get(o.status, 0) + 1
+        nbytes += o.nbytes
+    worst = max(counts, key=_STATUS_ORDER.__getitem__, default="ok")
+    detail = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return JobOutcome(worst, nbytes=nbytes, detail=detail, value=outcomes)
 
 
 class UnitStore:
@@ -157,8 +160,7 @@ class UnitStore:
     # ------------------------------------------------------------------ argument checks
 
     def _range(self, first: Any, end: Any) -> tuple[int, int]:
-        self.namespace.layer_bytes(first, end)  # validates, naming first / end
-        return int(first), int(end)
+        return self.namespace.layer_range(first, end)  # validates, naming first / end
 
     @staticmethod
     def _keys(keys: Any) -> list[bytes]:
@@ -201,8 +203,9 @@ class UnitStore:
                     f"got {type(item).__name__}"
                 )
             item = LoadItem(*item)
-        raw_key, what = normalize_key(item.key), f"{name}.destination"
-        first, end = self._range(item.first, item.end)
+        raw_key = normalize_key(item.key)
+        first, end = self.namespace.layer_range(item.first, item.end)
+        what = f"{name}.destination"
         dest = payload_view(self.namespace, item.destination, first, end, what, writable=True)
         return LoadReq(raw_key, first, end, dest)
 

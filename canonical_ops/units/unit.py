@@ -80,6 +80,7 @@ FIXED_HEADER_BYTES = _FIXED.size
 MAX_HEADER_BYTES = FIXED_HEADER_BYTES + MAX_KEY_BYTES
 _SUM = slice(80, 96)  # the checksum field
 _ZERO_SUM = bytes(16)
+_sha256 = hashlib.sha256
 MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in headers; int64 elsewhere
 
 
@@ -128,7 +129,7 @@ def normalize_key(key: Any) -> bytes:
 
 def key_digest(key: Any) -> str:
     """A key's name in stores: 32 hex chars of sha256 of its bytes (:func:`normalize_key`)."""
-    return hashlib.sha256(normalize_key(key)).hexdigest()[:32]
+    return _sha256(normalize_key(key)).hexdigest()[:32]
 
 
 def header_length(key: Any) -> int:
@@ -225,33 +226,51 @@ def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) 
     return hasher
 
 
+_POSITION_AT = 32  # where the position sits in the fixed header (a little-endian uint64)
+# (namespace digest, key id, key length, first, end) -> (the fixed header at position 0, the
+# bytes before and after the position, the key's zero padding): built once, not per unit.
+_SHAPES: dict[tuple[bytes, str, int, int, int], tuple[bytes, bytes, bytes, bytes]] = {}
+
+
 def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
-    """The header of a unit, checksum zeroed (what the checksum covers)."""
-    length, payload = FIXED_HEADER_BYTES + _pad8(len(raw_key)), ns.layer_bytes(first, end)
-    fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        length,
-        _algorithm(ns),
-        len(raw_key),
-        0,
-        first,
-        end,
-        ns.num_layers,
-        position,
-        payload,
-        ns.digest,
-        _ZERO_SUM,
-    )
-    return fixed + raw_key + bytes(length - FIXED_HEADER_BYTES - len(raw_key))
+    """The header of a unit, checksum zeroed (what the checksum covers). The digest names the
+    namespace's geometry and the key id its algorithm, so what a header shares with others of
+    its shape is packed once per shape (a load's header is two concatenations)."""
+    shape = (ns.digest, ns.key_id, len(raw_key), first, end)
+    parts = _SHAPES.get(shape)
+    if parts is None:
+        length = FIXED_HEADER_BYTES + _pad8(len(raw_key))
+        fixed = _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            length,
+            _algorithm(ns),
+            len(raw_key),
+            0,
+            first,
+            end,
+            ns.num_layers,
+            0,
+            ns.layer_bytes(first, end),
+            ns.digest,
+            _ZERO_SUM,
+        )
+        pad = bytes(length - FIXED_HEADER_BYTES - len(raw_key))
+        parts = (fixed, fixed[:_POSITION_AT], fixed[_POSITION_AT + 8 :], pad)
+        if len(_SHAPES) >= 4096:  # bounded: shapes are few, but keys of any length exist
+            _SHAPES.clear()
+        _SHAPES[shape] = parts
+    if position:
+        return parts[1] + position.to_bytes(8, "little") + parts[2] + raw_key + parts[3]
+    return parts[0] + raw_key + parts[3]
 
 
 def pack_header(namespace: StoreNamespace, key: Any, first: int, end: int, position: int) -> bytes:
     """A unit's header with its checksum zeroed (what the native I/O writes and expects)."""
-    check_type("namespace", namespace, StoreNamespace).layer_bytes(first, end)  # checks them
+    first, end = check_type("namespace", namespace, StoreNamespace).layer_range(first, end)
     if type(position) is not int or not 0 <= position <= MAX_POSITION:
         position = check_int("position", position, minimum=0, maximum=MAX_POSITION)
-    return _pack(namespace, normalize_key(key), int(first), int(end), position)
+    return _pack(namespace, normalize_key(key), first, end, position)
 
 
 def start_unit(
