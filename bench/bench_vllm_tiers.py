@@ -22,7 +22,8 @@ Then, per mode (shuffled), the mixed workload: ``--mixed-loads`` one-chunk loads
 chunks, one after the other, each timed from submission to finish, while store jobs stream
 (twice the write threads in flight, each replaced when it finishes): p50 and p99.
 Every load is compared byte for byte with the stored rows (untimed): a mode that loads wrong
-bytes fails the run instead of giving a figure. GB/s = row bytes / seconds. Where the
+bytes fails the run instead of giving a figure. GB/s = row bytes / seconds; CPU ms/GB = the
+process's CPU time over a round (every thread), median, per GB moved. Where the
 installed vLLM has its fs tier's opt-in ``checksum_blocks``, a "vllm fs checksum" mode is
 added (verified against verified); the goals stay against the better unverified mode.
 
@@ -193,8 +194,10 @@ class Case:
         ]
 
     @staticmethod
-    def _run(mode: str, tier, submit, jobs: list[TransferJob]) -> float:
-        start = time.perf_counter()
+    def _run(mode: str, tier, submit, jobs: list[TransferJob]) -> tuple[float, float]:
+        """Seconds from the first submission to the last result, and the process's CPU
+        seconds over them (every thread: the tier's pool, vLLM's poll loop here)."""
+        start, cpu = time.perf_counter(), time.process_time()
         for job in jobs:
             submit(job)
         results: list = []
@@ -203,13 +206,13 @@ class Case:
             results += got
             if not got:
                 time.sleep(0.0001)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         failed = [r.job_id for r in results if not r.success]
         if failed:
             raise RuntimeError(f"{mode}: jobs {sorted(failed)} of {len(jobs)} failed")
-        return seconds
+        return seconds, cpu
 
-    def store(self, mode: str) -> float:
+    def store(self, mode: str) -> tuple[float, float]:
         old = self.tiers.pop(mode, None)
         if old is not None:
             old[0].shutdown()
@@ -217,18 +220,18 @@ class Case:
         root = os.path.join(self.base, f"{mode.replace(' ', '_')}-{self._rounds}")
         tier = self._tier(mode, root)
         self.tiers[mode] = (tier, root)
-        seconds = self._run(mode, tier, tier.submit_store, self._jobs(0, False))
+        timed = self._run(mode, tier, tier.submit_store, self._jobs(0, False))
         write_back(tier_files(root))
-        return seconds
+        return timed
 
-    def load(self, mode: str, cold: bool) -> float:
+    def load(self, mode: str, cold: bool) -> tuple[float, float]:
         tier, root = self.tiers[mode]
         write_back(tier_files(root), evict=cold, read=not cold)
         self.rows[self.count :] = 0
-        seconds = self._run(mode, tier, tier.submit_load, self._jobs(self.count, True))
+        timed = self._run(mode, tier, tier.submit_load, self._jobs(self.count, True))
         if not np.array_equal(self.rows[self.count :], self.rows[: self.count]):
             raise RuntimeError(f"{mode} loaded other bytes than it stored")
-        return seconds
+        return timed
 
     def mixed(self, mode: str, loads: int) -> list[float]:
         """Seconds from submission to finish of ``loads`` one-chunk loads (warm chunks),
@@ -301,14 +304,19 @@ def run(args) -> dict:
     for name in args.models:
         case = Case(name, MODELS[name], args)
         times: dict[str, dict[str, list[float]]] = {m: {op: [] for op in OPS} for m in args.modes}
+        cpus: dict[str, dict[str, list[float]]] = {m: {op: [] for op in OPS} for m in args.modes}
         try:
             order = list(args.modes)
             for _ in range(args.repeats):
                 shuffle.shuffle(order)  # each repetition runs every mode once, shuffled
                 for mode in order:
-                    times[mode]["store"].append(case.store(mode))
-                    times[mode]["load warm"].append(case.load(mode, cold=False))
-                    times[mode]["load cold"].append(case.load(mode, cold=True))
+                    for op, timed in (
+                        ("store", case.store(mode)),
+                        ("load warm", case.load(mode, cold=False)),
+                        ("load cold", case.load(mode, cold=True)),
+                    ):
+                        times[mode][op].append(timed[0])
+                        cpus[mode][op].append(timed[1])
             shuffle.shuffle(order)
             mixed = {mode: case.mixed(mode, args.mixed_loads) for mode in order}
         finally:
@@ -322,6 +330,7 @@ def run(args) -> dict:
                     "median_s": statistics.median(t),
                     "best_gbps": nbytes / min(t) / 1e9,
                     "median_gbps": nbytes / statistics.median(t) / 1e9,
+                    "cpu_ms_per_gb": statistics.median(cpus[mode][op]) / (nbytes / 1e9) * 1e3,
                 }
                 for op, t in times[mode].items()
             }
@@ -329,7 +338,8 @@ def run(args) -> dict:
                 f"{name:<22}{mode:<23}"
                 + "".join(
                     f"{op} {row['modes'][mode][op]['best_gbps']:.2f} "
-                    f"({row['modes'][mode][op]['median_gbps']:.2f})  "
+                    f"({row['modes'][mode][op]['median_gbps']:.2f}; "
+                    f"{row['modes'][mode][op]['cpu_ms_per_gb']:.0f} CPU ms/GB)  "
                     for op in OPS
                 ),
                 flush=True,
@@ -420,6 +430,21 @@ def markdown(report: dict) -> str:
                 f"| {row['model']} | {row['row_bytes'] / 2**20:.2f} MiB x {row['chunks']} "
                 f"| {mode} | {figures} |"
             )
+    lines += [
+        "",
+        "Process CPU per GB moved (median round; every thread: the pool and this poll loop), "
+        "ms: what the verification costs where the CPUs, not the disk, bound a tier.",
+        "",
+        "| model | mode | " + " | ".join(OPS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in OPS) + " |",
+        *(
+            f"| {row['model']} | {mode} | "
+            + " | ".join(f"{ops[op]['cpu_ms_per_gb']:.0f}" for op in OPS)
+            + " |"
+            for row in report["results"]
+            for mode, ops in row["modes"].items()
+        ),
+    ]
     lines += [
         "",
         "A one-chunk load of a warm chunk, timed from submission to finish, one after the "
