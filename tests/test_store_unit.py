@@ -51,6 +51,41 @@ def test_layout_matches_the_documented_table() -> None:
     assert raw[80:96] == xxhash.xxh3_128(zeroed + payload.tobytes()).digest()
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(min_size=1, max_size=40),
+            st.integers(0, 7),
+            st.integers(1, 8),
+            st.sampled_from([0, 1, 3, 2**32, enc.MAX_POSITION]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_headers_packed_per_shape_equal_the_documented_layout(headers) -> None:
+    """pack_header builds what a header shares with others of its shape once; every header,
+    of any key length, range, position and algorithm, in any order, is still the table's."""
+    from canonical_ops.units import StoreSecret
+
+    authenticated = NS.authenticated(StoreSecret(b"a key of 32 bytes for this test."))
+    for key, first, span, position, mac in headers:
+        ns, end = (authenticated if mac else NS), min(8, first + span)
+        length = 96 + (len(key) + 7) // 8 * 8
+        expected = (
+            b"CKVUNIT\x00"
+            + struct.pack("<HHHH", 1, length, 2 if mac else 1, len(key))
+            + struct.pack("<IIII", 0, first, end, 8)
+            + struct.pack("<QQ", position, ns.layer_bytes(first, end))
+            + ns.digest
+            + bytes(16)
+            + key.ljust(length - 96, b"\x00")
+        )
+        assert enc.pack_header(ns, key, first, end, position) == expected
+
+
 @pytest.mark.parametrize(
     ("key", "expected"),
     [

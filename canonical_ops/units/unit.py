@@ -80,7 +80,6 @@ FIXED_HEADER_BYTES = _FIXED.size
 MAX_HEADER_BYTES = FIXED_HEADER_BYTES + MAX_KEY_BYTES
 _SUM = slice(80, 96)  # the checksum field
 _ZERO_SUM = bytes(16)
-_sha256 = hashlib.sha256
 MAX_POSITION = (1 << 63) - 1  # positions travel as u64 in headers; int64 elsewhere
 
 
@@ -129,7 +128,7 @@ def normalize_key(key: Any) -> bytes:
 
 def key_digest(key: Any) -> str:
     """A key's name in stores: 32 hex chars of sha256 of its bytes (:func:`normalize_key`)."""
-    return _sha256(normalize_key(key)).hexdigest()[:32]
+    return hashlib.sha256(normalize_key(key)).hexdigest()[:32]
 
 
 def header_length(key: Any) -> int:
@@ -226,7 +225,7 @@ def _hashing(namespace: StoreNamespace | None, head: bytes, algorithm: int = 0) 
     return hasher
 
 
-_POSITION_AT = 32  # where the position sits in the fixed header (a little-endian uint64)
+_POSITION_AT = struct.calcsize("<8sHHHHIIII")  # the position's offset (a little-endian u64)
 # (namespace digest, key id, key length, first, end) -> (the fixed header at position 0, the
 # bytes before and after the position, the key's zero padding): built once, not per unit.
 _SHAPES: dict[tuple[bytes, str, int, int, int], tuple[bytes, bytes, bytes, bytes]] = {}
