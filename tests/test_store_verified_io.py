@@ -499,7 +499,9 @@ def test_an_expired_job_writes_nothing_through_the_mapping(tmp_path, monkeypatch
 
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
 @pytest.mark.parametrize("offset", [5, HEADER_BYTES + 4096, HEADER_BYTES + 400_000])
-def test_a_unit_rewritten_by_another_process_while_mapped_is_a_miss(tmp_path, monkeypatch, offset):
+def test_a_unit_rewritten_by_another_process_while_mapped_is_a_miss(
+    tmp_path, monkeypatch, offset
+):
     """Another process flips a byte of a unit this one has mapped (a shared mapping: the
     change shows through): the blocks hashed are the blocks delivered, so a miss."""
     store, path = stored(tmp_path)
