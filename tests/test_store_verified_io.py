@@ -477,8 +477,11 @@ def test_a_unit_truncated_by_another_process_while_read_is_a_miss(
     tmp_path, monkeypatch, keep, direct
 ):
     """The unit shrinks between the size check and the read: a short read, a miss, and
-    the next unit loads."""
+    the next unit loads. (Every piece read through the buffer, as in the rewrite test: the
+    unit's WILLNEED may bring all of it in before the first piece is tried, and then no
+    device read, the stage that cuts it, would start: the load would rightly be ok.)"""
     store, path = stored(tmp_path, direct_io=direct)
+    monkeypatch.setattr(files_mod, "_NOWAIT", False)
     with store:
         assert store.store(8, 0, row(NS, 8), 0).ok
         drop_cache(path)
