@@ -204,7 +204,7 @@ class UnitStore:
                 )
             item = LoadItem(*item)
         raw_key = normalize_key(item.key)
-        first, end = self.namespace.layer_range(item.first, item.end)
+        first, end = self._range(item.first, item.end)
         what = f"{name}.destination"
         dest = payload_view(self.namespace, item.destination, first, end, what, writable=True)
         return LoadReq(raw_key, first, end, dest)
