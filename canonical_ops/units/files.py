@@ -405,7 +405,7 @@ class FileStore(UnitStore):
     def remove(self, keys: Any, first: int, end: int) -> int:
         """Remove units ``[first, end)`` of ``keys`` (any process's); how many there were.
         Not an eviction: not counted as one, not reported by :meth:`take_removed`."""
-        first, end = self._range(first, end)
+        first, end = self.namespace.layer_range(first, end)
         return sum(self._unlink(key_digest(raw), first, end) for raw in self._keys(keys))
 
     def _describe(self, tmp: int) -> None:

@@ -21,6 +21,7 @@ native state word, also used by ``_unitio``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -67,18 +68,11 @@ class JobOutcome:
             raise ValueError(f"status: expected one of {sorted(_OUTCOMES)}, got {self.status!r}")
 
 
-_OK: dict[int, JobOutcome] = {}
-
-
+@functools.lru_cache(maxsize=1024)  # unit sizes are few
 def ok_outcome(nbytes: int) -> JobOutcome:
     """``JobOutcome("ok", nbytes)``, one shared instance per size (immutable): every unit a
     batch moves has one, and building a frozen dataclass costs about a microsecond."""
-    outcome = _OK.get(nbytes)
-    if outcome is None:
-        if len(_OK) >= 1024:  # unit sizes are few
-            _OK.clear()
-        outcome = _OK[nbytes] = JobOutcome("ok", nbytes=nbytes)
-    return outcome
+    return JobOutcome("ok", nbytes=nbytes)
 
 
 Work = Callable[[], JobOutcome | None]  # a job's work function

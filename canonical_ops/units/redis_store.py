@@ -265,7 +265,7 @@ class RedisStore(UnitStore):
 
     def unit_key(self, key: Any, first: int, end: int) -> str:
         """The server key of ``key``'s unit of layers ``[first, end)``."""
-        first, end = self._range(first, end)
+        first, end = self.namespace.layer_range(first, end)
         return self._unit(key_digest(key), first, end)
 
     def index_key(self, key: Any) -> str:

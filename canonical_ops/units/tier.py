@@ -159,9 +159,6 @@ class UnitStore:
 
     # ------------------------------------------------------------------ argument checks
 
-    def _range(self, first: Any, end: Any) -> tuple[int, int]:
-        return self.namespace.layer_range(first, end)  # validates, naming first / end
-
     @staticmethod
     def _keys(keys: Any) -> list[bytes]:
         if isinstance(keys, (str, bytes, bytearray, memoryview, int, np.integer)):
@@ -190,7 +187,7 @@ class UnitStore:
                     f"{ends} (empty layers); pass end"
                 )
             end = ends[0]
-        first, end = self._range(first, end)
+        first, end = self.namespace.layer_range(first, end)
         view = payload_view(self.namespace, view, first, end, f"{name}.payload")
         position = check_int(f"{name}.position", item.position, minimum=0, maximum=MAX_POSITION)
         return StoreReq(raw_key, first, end, position, view)
@@ -204,7 +201,7 @@ class UnitStore:
                 )
             item = LoadItem(*item)
         raw_key = normalize_key(item.key)
-        first, end = self._range(item.first, item.end)
+        first, end = self.namespace.layer_range(item.first, item.end)
         what = f"{name}.destination"
         dest = payload_view(self.namespace, item.destination, first, end, what, writable=True)
         return LoadReq(raw_key, first, end, dest)
@@ -242,13 +239,13 @@ class UnitStore:
         are stored, in any mix of layer ranges that covers them. Nothing is verified here:
         a load verifies. May touch disk or network on the caller's thread."""
         self._check_open()
-        first, end = self._range(first, end)
+        first, end = self.namespace.layer_range(first, end)
         return self._lookup(self._keys(keys), first, end, inline=True)
 
     def submit_lookup(self, keys: Sequence[Any], first: int, end: int) -> IOJob:
         """:meth:`lookup` on a pool thread; the job's ``value`` is the prefix length."""
         self._check_open()
-        first, end = self._range(first, end)
+        first, end = self.namespace.layer_range(first, end)
         raws = self._keys(keys)
         job = self.pool.submit(
             "lookup",
