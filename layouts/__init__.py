@@ -22,6 +22,7 @@ from .derive import (
 )
 from .election import RankShare, WriterElection
 from .mapping import CanonicalPageMapping, CopyRun
+from .pipeline import pp_layer_range, pp_layer_ranges
 from .quant import KVScales, derive_scaled_group_mappings
 from .spec import LayerSpec, RankContext
 from .state import StateSpec, derive_state_group_mappings, state_certification_failure
@@ -46,6 +47,8 @@ __all__ = [
     "derive_state_group_mappings",
     "group_layer_mappings",
     "opaque_fallback_mapping",
+    "pp_layer_range",
+    "pp_layer_ranges",
     "state_certification_failure",
     "verify_tiling",
 ]

@@ -71,6 +71,33 @@ def test_bad_input_is_one_line_and_exit_2(args, words):
     assert_usage_error(run_demo(*TINY, *args), *words)
 
 
+def test_usage_errors_are_answered_before_torch_loads():
+    """A wrong flag or a topology the model cannot have is refused from the pure front end
+    (flags, presets, layouts): torch and the engines are never imported for it."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from canonical_ops.demo import main\n"
+        "for args in sys.argv[1:]:\n"
+        "    with contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            status = main(args.split())\n"
+        "        except SystemExit as refused:  # argparse's usage error\n"
+        "            status = refused.code\n"
+        "    print(status, 'torch' in sys.modules)\n"
+    )
+    cases = [
+        " ".join([*TINY, "--store", "/tmp", "--store-capacity", "lots"]),
+        " ".join([*TINY, "--writer-tp", "3", "--reader-tp", "2"]),
+        "--preset deepseek-v3 --writer-tp 65",
+        " ".join([*TINY, "--writer-pp", "9"]),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *cases], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == ["2 False"] * len(cases), result.stdout
+
+
 def test_missing_or_unknown_command_is_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "canonical_ops"], cwd=ROOT, capture_output=True, text=True

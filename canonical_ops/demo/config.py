@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 
 from layouts import KVScales, LayerSpec, RankContext, certification_failure, derive_group_mappings
+from layouts.pipeline import pp_layer_ranges
 from layouts.quant import QUANTISED_KV_DTYPES
 from layouts.state import state_certification_failure
 
-from ..engine.cache import pp_layer_ranges
 from ..units.redis_url import REDIS_SCHEMES
 from ..units.redis_url import redact_url as redact  # every --store is printed through it
 from .presets import PRESETS

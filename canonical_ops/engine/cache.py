@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from layouts.pipeline import pp_layer_range, pp_layer_ranges
+
 from ..checks import check_int, check_seconds, check_type
 from ..units.across import UnitsAcross
 from ..units.jobs import IOJob
@@ -39,25 +41,6 @@ __all__ = ["FetchResult", "PersistResult", "StageCache", "StageCacheMetrics", "T
 __all__ += ["TierEvent", "TierLookup", "pp_layer_range", "pp_layer_ranges"]
 
 _MAX_SEARCHES = 1024  # lookups asked about and not asked again; the oldest are dropped
-
-
-def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """Layers ``[first, end)`` of pipeline stage ``pp_rank``: vLLM's ``get_pp_indices``
-    without ``VLLM_PP_LAYER_PARTITION`` (the remainder goes one layer each to the stages
-    before the last, from the second-to-last backwards)."""
-    num_layers = check_int("num_layers", num_layers, minimum=1)
-    pp_size = check_int("pp_size", pp_size, minimum=1, maximum=num_layers)
-    pp_rank = check_int("pp_rank", pp_rank, minimum=0, maximum=pp_size - 1)
-    partitions = [num_layers // pp_size] * pp_size
-    for i in range(2, num_layers % pp_size + 2):
-        partitions[-i] += 1
-    first = sum(partitions[:pp_rank])
-    return first, first + partitions[pp_rank]
-
-
-def pp_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Every stage's :func:`pp_layer_range`, stage 0 first."""
-    return [pp_layer_range(num_layers, rank, pp_size) for rank in range(pp_size)]
 
 
 @dataclass

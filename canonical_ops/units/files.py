@@ -28,7 +28,7 @@ from .jobs import JobOutcome, JobPool, current_job, ok_outcome
 from .namespace import StoreNamespace
 from .policy import Entry, LruPolicy
 from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
-from .unit import CorruptUnit, header_length, key_digest, pack_header
+from .unit import CorruptUnit, header_length, key_digest, packed_header
 from .unitfile import UNIT_NAME, Found, check_unit, iter_units
 
 __all__ = ["NAMESPACE_FILE", "FileStore", "GcReport", "StoreMetrics", "StoreRootError"]
@@ -287,7 +287,7 @@ class FileStore(UnitStore):
             try:
                 if cap is not None and size > cap:
                     raise OSError(errno.EFBIG, f"unit of {size} bytes exceeds capacity_bytes={cap}")
-                head = pack_header(self.namespace, req.raw_key, req.first, req.end, req.position)
+                head = packed_header(self.namespace, req.raw_key, req.first, req.end, req.position)
                 fan = self._dirs.get(req.kd[:2], create=True)
                 tmp = self._dirs.get("tmp", create=True)
                 if not self._described:
@@ -432,9 +432,10 @@ class FileStore(UnitStore):
         out: list[Any] = [None] * len(reqs)
         bad: dict[int, set] = {}  # units that failed, per request (few: built when needed)
         why: dict[int, list[str]] = {}
-        todo, refreshed, ns, cover = range(len(reqs)), set(), self.namespace, self._policy.cover
+        todo, refreshed, ns = range(len(reqs)), set(), self.namespace
+        cover, fan, load_item = self._policy.cover, self._dirs.fan, unitfile.load_item
         while todo:
-            plan = []
+            plan, items, units = [], [], {}  # (request, unit), its native item; units per request
             for i in todo:
                 req = reqs[i]
                 chain = cover(req.kd, req.first, req.end, bad.get(i, ()))
@@ -445,11 +446,11 @@ class FileStore(UnitStore):
                 if chain is None:
                     self._count("misses")
                     out[i] = JobOutcome("miss", detail="; ".join(why.get(i, ())) or "not stored")
-                plan += [(i, e) for e in chain or ()]
-            items = [
-                unitfile.load_item(ns, reqs[i], e.first, e.end, self._dirs.fan(e.kd))
-                for i, e in plan
-            ]
+                    continue
+                units[i] = len(chain)
+                for e in chain:
+                    plan.append((i, e))
+                    items.append(load_item(ns, req, e.first, e.end, fan(e.kd)))
             results, retry, used = self._native_load(items) if items else [], set(), []
             for (i, e), result in zip(plan, results):
                 if i in retry or out[i] is not None:
@@ -470,9 +471,6 @@ class FileStore(UnitStore):
             with self._lock:  # recency of the units read, at once
                 for e in used:
                     self._policy.touch(e, now)
-            units: dict[int, int] = {}  # units read per request
-            for i, _ in plan:
-                units[i] = units.get(i, 0) + 1
             hits = loaded = nbytes = 0
             for i, n in units.items():
                 if i not in retry and out[i] is None:

@@ -193,17 +193,19 @@ class UnitStore:
         return StoreReq(raw_key, first, end, position, view)
 
     def _load_req(self, item: Any, name: str) -> LoadReq:
-        if not isinstance(item, LoadItem):
-            if not isinstance(item, (tuple, list)) or len(item) != 4:
-                raise TypeError(
-                    f"{name}: expected a LoadItem or (key, first, end, destination), "
-                    f"got {type(item).__name__}"
-                )
-            item = LoadItem(*item)
-        raw_key = normalize_key(item.key)
-        first, end = self.namespace.layer_range(item.first, item.end)
+        if isinstance(item, LoadItem):
+            key, first, end, destination = item.key, item.first, item.end, item.destination
+        elif isinstance(item, (tuple, list)) and len(item) == 4:
+            key, first, end, destination = item  # the adapters' form: no dataclass per unit
+        else:
+            raise TypeError(
+                f"{name}: expected a LoadItem or (key, first, end, destination), "
+                f"got {type(item).__name__}"
+            )
+        raw_key = normalize_key(key)
+        first, end = self.namespace.layer_range(first, end)
         what = f"{name}.destination"
-        dest = payload_view(self.namespace, item.destination, first, end, what, writable=True)
+        dest = payload_view(self.namespace, destination, first, end, what, writable=True)
         return LoadReq(raw_key, first, end, dest)
 
     def _check_open(self) -> None:

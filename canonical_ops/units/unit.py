@@ -231,10 +231,11 @@ _POSITION_AT = struct.calcsize("<8sHHHHIIII")  # the position's offset (a little
 _SHAPES: dict[tuple[bytes, str, int, int, int], tuple[bytes, bytes, bytes, bytes]] = {}
 
 
-def _pack(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
-    """The header of a unit, checksum zeroed (what the checksum covers). The digest names the
-    namespace's geometry and the key id its algorithm, so what a header shares with others of
-    its shape is packed once per shape (a load's header is two concatenations)."""
+def packed_header(ns: StoreNamespace, raw_key: bytes, first: int, end: int, position: int) -> bytes:
+    """:func:`pack_header` of arguments a store has checked (a request's normalized key, its
+    range and position): a unit's header, checksum zeroed (what the checksum covers). The
+    digest names the namespace's geometry and the key id its algorithm, so what a header
+    shares with others of its shape is packed once per shape (a load's: two concatenations)."""
     shape = (ns.digest, ns.key_id, len(raw_key), first, end)
     parts = _SHAPES.get(shape)
     if parts is None:
@@ -269,7 +270,7 @@ def pack_header(namespace: StoreNamespace, key: Any, first: int, end: int, posit
     first, end = check_type("namespace", namespace, StoreNamespace).layer_range(first, end)
     if type(position) is not int or not 0 <= position <= MAX_POSITION:
         position = check_int("position", position, minimum=0, maximum=MAX_POSITION)
-    return _pack(namespace, normalize_key(key), first, end, position)
+    return packed_header(namespace, normalize_key(key), first, end, position)
 
 
 def start_unit(
@@ -411,7 +412,7 @@ def begin_unit_check(
     and a hasher that has taken it: feed it the payload, compare ``digest()`` with item 2."""
     check_type("namespace", namespace, StoreNamespace)
     raw_key = normalize_key(key)
-    want = _pack(namespace, raw_key, first, end, 0)
+    want = packed_header(namespace, raw_key, first, end, 0)
     view = as_byte_view(buffer)
     if len(view) < len(want):
         raise CorruptUnit(f"truncated header: {len(view)} of {len(want)} bytes")

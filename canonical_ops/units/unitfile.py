@@ -119,7 +119,7 @@ def mac(namespace: StoreNamespace) -> Any:
 def load_item(ns: StoreNamespace, req: LoadReq, first: int, end: int, fan: int) -> tuple:
     """The native load of unit ``[first, end)`` for ``req``: where it is, the header it must
     have and which part of its payload goes to which part of the destination."""
-    head = _unit.pack_header(ns, req.raw_key, first, end, 0)
+    head = _unit.packed_header(ns, req.raw_key, first, end, 0)  # req and entry: checked
     if (req.first, req.end) == (first, end):  # the usual case: the whole unit is wanted
         lo, hi, dest = 0, len(req.dest), req.dest
     else:

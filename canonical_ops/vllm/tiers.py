@@ -203,6 +203,7 @@ class _CanonicalTier(SecondaryTierManager):
             self._lookup_pool.close(cancel=True)
             raise
         self._rows = primary_kv_view.cast("B")  # released by shutdown (vLLM then unmaps)
+        self._row_stride = self.block_size_bytes
         self._lookups = _Lookups(self)
         self._seed_checked = warn_if_random_hash_seed(tier_type)
         self._check_shared_hash()
@@ -298,7 +299,7 @@ class _CanonicalTier(SecondaryTierManager):
 
     def _row(self, chunk_id: Any) -> memoryview:
         """A chunk's unit payload: its whole row, or (shared) the row's canonical pages."""
-        start = int(chunk_id) * self.block_size_bytes
+        start = int(chunk_id) * self._row_stride
         return self._rows[start : start + self._payload_bytes]
 
     def _position(self, key: OffloadKey, req_context: ReqContext) -> int:
@@ -336,8 +337,8 @@ class _CanonicalTier(SecondaryTierManager):
             job = self._regrouped(True, keys, list(job_metadata.chunk_ids), None)
             self._submit(job, job_metadata, keys, True)
             return
-        items = [
-            LoadItem(unit_key(key), 0, layers, self._row(cid))
+        items = [  # tuples: what a LoadItem holds, built without a dataclass per chunk
+            (unit_key(key), 0, layers, self._row(cid))
             for key, cid in zip(keys, job_metadata.chunk_ids)
         ]
         self._submit(self.store.submit_loads(items), job_metadata, keys, True)
