@@ -569,6 +569,7 @@ int main(int argc, char** argv) {
       {"warm", "arena snap 4K NT populate", warm(load_arena(4 * K, true), Sum::XXH128)},
       {"warm", "arena snap 4K NT faultaround", warm(load_arena(4 * K, false), Sum::XXH128)},
       {"warm", "NOWAIT 64K + XXH3-128", warm(load_pieces(64 * K), Sum::XXH128)},
+      {"warm", "NOWAIT 128K + XXH3-128", warm(load_pieces(128 * K), Sum::XXH128)},
       {"warm", "NOWAIT 512K + XXH3-128", warm(load_pieces(512 * K), Sum::XXH128)},
       {"warm", "NOWAIT 1M + XXH3-128", warm(load_pieces(1024 * K), Sum::XXH128)},
       {"warm", "NOWAIT whole + XXH3-128", warm(load_pieces(64 * 1024 * K), Sum::XXH128)},
