@@ -12,10 +12,13 @@
 //   byte is read (a FIFO never blocks).
 // - A load hashes (XXH3-128, or the caller's MAC through Python) every byte it reads and
 //   compares the header with the bytes the caller expects. Caller memory is written only
-//   under the job's claim: RWF_NOWAIT reads straight into the destination (they never wait
-//   for a device, so the claimed window is a bounded copy) or, after a read that may
-//   block, from the batch's aligned buffer in 4 KiB blocks, each hashed while in L1 and
-//   then streamed (non-temporal stores) into the destination. An expired job writes nothing.
+//   under the job's claim, from 4 KiB blocks each hashed while in L1 and then streamed
+//   (non-temporal stores) into the destination: a unit the page cache holds whole is mapped
+//   (populated first; one pass: each block snapshotted from the mapping, so the bytes hashed
+//   are the bytes delivered; a SIGBUS from a unit truncated meanwhile makes it CORRUPT), any
+//   other is read into the batch's aligned buffer first, except pieces RWF_NOWAIT finds in
+//   the page cache, read straight into the destination (they never wait for a device, so
+//   the claimed window is a bounded copy). An expired job writes nothing.
 //   A buffered batch asks the page cache for its next units ahead of reading them (WILLNEED);
 //   with direct reads (the default), its O_DIRECT pieces are submitted ahead (Linux AIO) into a
 //   ring in that buffer, and every read submitted is waited for before the buffer is given back.
@@ -30,6 +33,8 @@
 #include <linux/aio_abi.h>
 #include <linux/magic.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -437,6 +442,59 @@ void stream_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 const StreamFn g_stream = pick_stream();
 
+// ----------------------------------------------------------------- mapped reads and SIGBUS
+
+// A warm load reads its unit through a mapping of the page cache (one pass: each 4 KiB
+// block is copied into L1, hashed there and streamed on). Another process may truncate the
+// file meanwhile: the next touch of a page past its new end raises SIGBUS. The handler turns
+// a SIGBUS inside the span this thread is reading into a siglongjmp back to the reader (the
+// unit is CORRUPT, a miss); any other SIGBUS goes to the handler that was there before (or
+// the default action: the fault repeats and ends the process, as without us).
+struct MapGuard {
+  sigjmp_buf env;
+  const unsigned char* lo = nullptr;
+  const unsigned char* hi = nullptr;
+};
+
+// initial-exec: the handler reads it without a TLS allocation (a pointer of static TLS).
+__attribute__((tls_model("initial-exec"))) thread_local MapGuard* t_guard = nullptr;
+std::atomic<const struct sigaction*> g_previous_sigbus{nullptr};
+std::mutex g_sigbus_lock;
+
+void on_sigbus(int sig, siginfo_t* info, void* context) {
+  MapGuard* guard = t_guard;
+  const auto* at = static_cast<const unsigned char*>(info->si_addr);
+  if (guard != nullptr && at >= guard->lo && at < guard->hi) siglongjmp(guard->env, 1);
+  const struct sigaction* previous = g_previous_sigbus.load();
+  if (previous != nullptr && (previous->sa_flags & SA_SIGINFO)) {
+    previous->sa_sigaction(sig, info, context);
+  } else if (previous != nullptr && previous->sa_handler != SIG_DFL &&
+             previous->sa_handler != SIG_IGN) {
+    previous->sa_handler(sig);
+  } else {  // SIG_DFL (a fault's SIGBUS cannot be ignored): the fault repeats and kills
+    signal(SIGBUS, SIG_DFL);
+    if (info->si_code <= 0) raise(SIGBUS);  // sent, not a fault: nothing repeats it
+  }
+}
+
+// Whether on_sigbus handles SIGBUS now (installed when another handler replaced it, that
+// one kept as the previous); false when it cannot be: then units are read, not mapped.
+bool sigbus_guarded() {
+  struct sigaction now;
+  if (sigaction(SIGBUS, nullptr, &now) != 0) return false;
+  if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus) return true;
+  std::lock_guard<std::mutex> hold(g_sigbus_lock);
+  auto* previous = new struct sigaction;  // never freed: a handler may be reading the old one
+  struct sigaction ours = {};
+  ours.sa_sigaction = on_sigbus;
+  ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&ours.sa_mask);
+  if (sigaction(SIGBUS, nullptr, previous) != 0) return false;
+  if ((previous->sa_flags & SA_SIGINFO) && previous->sa_sigaction == on_sigbus) return true;
+  g_previous_sigbus.store(previous);
+  return sigaction(SIGBUS, &ours, nullptr) == 0;
+}
+
 // Read `want` bytes at `offset` into `buf` (room for `want` rounded up to 4096 when
 // `direct`); the bytes read: fewer only at the end of the file.
 ssize_t read_full(int fd, unsigned char* buf, size_t want, bool direct, off_t offset) {
@@ -819,9 +877,11 @@ struct Worker {
 struct UnitReader : Worker<LoadItem, LoadOptions> {
   LoadBatch* batch = nullptr;
   size_t index = 0;
+  static constexpr int kNotMapped = -1;
   unsigned char sum[16] = {0};
   size_t hl = 0, total = 0;
   bool direct_on = false;
+  volatile bool map_claimed = false;  // read after a siglongjmp: volatile
 
   int fail(int status, const char* reason) {
     item.reason = reason;
@@ -850,6 +910,74 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     size_t a = std::max(p0, item.lo), b = std::min(p0 + m, item.hi);
     if (a < b)
       g_stream(static_cast<unsigned char*>(item.data.buf) + (a - item.lo), from + (a - p0), b - a);
+  }
+
+  // One pass over a mapped unit: each block is copied into L1 (a snapshot: the destination
+  // gets exactly the bytes hashed, whatever another process writes meanwhile), hashed there
+  // and streamed on. Claimed one piece at a time: the pages are mapped already (populated),
+  // so a claimed stretch is a memory copy.
+  int mapped_blocks(const unsigned char* map) {
+    alignas(64) unsigned char block[kBlock];
+    static_assert(kMaxHeader <= kBlock, "the header fits a block");
+    memcpy(block, map, hl);
+    if (int status = begin(block); status != OK) return status;
+    for (size_t pos = hl; pos < total;) {
+      const size_t end = std::min(total, pos + opt.piece);
+      const bool wanted = end - hl > item.lo && pos - hl < item.hi;
+      if (wanted) {
+        if (!claim(state)) return EXPIRED;
+        map_claimed = true;
+      }
+      for (; pos < end;) {
+        const size_t m = std::min(kBlock, end - pos);
+        memcpy(block, map + pos, m);
+        UNITIO_XXH3_UPDATE(&hasher.state, block, m);
+        if (wanted) deliver(pos - hl, block, m);
+        pos += m;
+      }
+      if (wanted) {
+        stream_fence();
+        map_claimed = false;
+        release(state);
+      }
+    }
+    return OK;
+  }
+
+  // The whole unit from a mapping of the page cache (the caller saw it all cached), or
+  // kNotMapped (a MAC unit: its hash runs in Python; no SIGBUS guard; mmap refused). A
+  // SIGBUS (the file was truncated under us) makes the unit CORRUPT: a miss, never a load.
+  int mapped_unit() {
+    if (item.mac != nullptr || !sigbus_guarded()) return kNotMapped;
+    void* m = mmap(nullptr, total, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (m == MAP_FAILED) return kNotMapped;
+    if (hook.fn != nullptr) {  // tests: truncate or rewrite the unit now
+      char dir[80];
+      snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
+      if (!hook.call("map", dir, item.name, static_cast<long long>(total))) {
+        munmap(m, total);
+        return ERROR;
+      }
+    }
+    const auto* map = static_cast<const unsigned char*>(m);
+    MapGuard guard;
+    guard.lo = map, guard.hi = map + total;
+    map_claimed = false;
+    int status;
+    if (sigsetjmp(guard.env, 0) == 0) {  // SA_NODEFER: no signal mask to restore
+      t_guard = &guard;
+      status = mapped_blocks(map);
+    } else {
+      if (map_claimed) {
+        stream_fence();
+        map_claimed = false;
+        release(state);
+      }
+      status = fail(CORRUPT, "the unit shrank while it was read (SIGBUS)");
+    }
+    t_guard = nullptr;
+    munmap(m, total);
+    return status;
   }
 
   // Try one piece [pos, pos + n) from the page cache straight into the destination.
@@ -957,7 +1085,8 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   }
 
   // What the page cache holds of the unit (cachestat; unknown counts as not all) decides how
-  // it is read. All of it: RWF_NOWAIT pieces straight into the destination. Not all, with
+  // it is read. All of it: one pass over a mapping of it (XXH3 units; a MAC unit, or no SIGBUS
+  // guard: RWF_NOWAIT pieces straight into the destination). Not all, with
   // direct reads: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is
   // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows),
   // then each piece comes from the page cache once there, else is waited for alone (read into the
@@ -970,6 +1099,10 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
       return verdict();
     }
     size_t pos = 0;
+    if (opt.nowait && u.whole) {  // all in the page cache: one pass over a mapping of it
+      int status = mapped_unit();
+      if (status != kNotMapped) return status == OK ? verdict() : status;
+    }
     bool cached = opt.nowait && (!opt.direct || u.whole);
     if (cached && !u.whole && !u.asked)
       posix_fadvise(fd, 0, static_cast<off_t>(total), POSIX_FADV_WILLNEED);
