@@ -497,46 +497,114 @@ def test_an_expired_job_writes_nothing_through_the_mapping(tmp_path, monkeypatch
         assert not dest.any()
 
 
+def lease_breaking(path: str, timeout: float = 10.0) -> bool:
+    """Whether a lease on ``path`` is being broken (a writer waits for it), within
+    ``timeout`` seconds: /proc/locks names the file by device and inode."""
+    st = os.stat(path)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open("/proc/locks") as locks:
+            if any("LEASE" in line and "BREAK" in line and ident in line for line in locks):
+                return True
+        time.sleep(0.01)
+    return False
+
+
+WRITERS = [(FLIP, 5), (FLIP, HEADER_BYTES + 4096), (FLIP, HEADER_BYTES + 400_000)]
+WRITERS += [(TRUNCATE, 0), (TRUNCATE, HEADER_BYTES + 300_000)]
+
+
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
-@pytest.mark.parametrize("offset", [5, HEADER_BYTES + 4096, HEADER_BYTES + 400_000])
-def test_a_unit_rewritten_by_another_process_while_mapped_is_a_miss(
-    tmp_path, monkeypatch, offset
+@pytest.mark.parametrize(("code", "arg"), WRITERS, ids=["flip"] * 3 + ["truncate"] * 2)
+def test_a_writer_arriving_while_mapped_sends_the_unit_to_the_pieces(
+    tmp_path, monkeypatch, code, arg
 ):
-    """Another process flips a byte of a unit this one has mapped (a shared mapping: the
-    change shows through): the blocks hashed are the blocks delivered, so a miss."""
+    """A unit is mapped under a read lease: another process that opens it to write (or
+    truncates it) meanwhile waits, which breaks the lease; the blocks hashed and delivered
+    from the mapping are then not trusted, the unit is read again in pieces (hashed as
+    delivered, racing the writer), so the load is the stored bytes or a miss, never other
+    bytes; once the writer is through, the unit is a miss."""
     store, path = stored(tmp_path)
     with store:
         warm(path)
-        flipped = []
+        writers: list[subprocess.Popen] = []
 
-        def rewrite(stage: str, p: str) -> None:
-            assert stage == "map"
-            flipped.append(p)
-            in_another_process(FLIP, p, str(offset))
+        def arrive(stage: str, p: str) -> None:
+            if stage == "map":
+                command = [sys.executable, "-c", code, p, str(arg)]
+                writers.append(subprocess.Popen(command, env=child_env()))
+                assert lease_breaking(p), "the writer did not wait for the lease"
 
-        stages(monkeypatch, rewrite)
-        assert is_a_miss(store) and flipped == [path]
+        seen = stages(monkeypatch, arrive)
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        job = store.load(7, 0, 64, dest)
+        assert seen[:2] == ["map", "lease broken"] and len(writers) == 1
+        assert writers[0].wait(timeout=60) == 0
+        assert job.status in ("ok", "miss"), job.detail
+        if job.ok:  # read before the writer got through: the stored bytes, verified
+            assert np.array_equal(dest, row(NS, 7))
+            assert is_a_miss(store)
+        else:
+            assert unit_files(store) == [] and store.metrics().quarantined == 1
 
 
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
-@pytest.mark.parametrize("keep", [0, 100, HEADER_BYTES + 5000, HEADER_BYTES + 300_000])
-def test_a_unit_truncated_by_another_process_while_mapped_is_a_miss(tmp_path, monkeypatch, keep):
-    """Pages past the new end fault (SIGBUS) inside the mapped read: the unit is corrupt
-    (a miss), the process lives on, and the next unit loads (through its mapping too)."""
+def test_a_unit_open_for_writing_elsewhere_is_read_in_pieces_not_mapped(tmp_path, monkeypatch):
+    """A read lease is refused while any open file may write the unit (a writer could change
+    a block between its hash and its copy): the unit is read in pieces, hashed as delivered;
+    once the writer has closed it, it is mapped again."""
     store, path = stored(tmp_path)
     with store:
-        assert store.store(8, 0, row(NS, 8), 0).ok
-        for unit in unit_files(store):
-            warm(unit)
-        cut = lambda stage, p: p == path and in_another_process(TRUNCATE, p, str(keep))  # noqa: E731
-        seen = stages(monkeypatch, cut)
+        warm(path)
+        seen = stages(monkeypatch)
         dest = np.zeros(NS.total_bytes, np.uint8)
-        job = store.load(7, 0, 64, dest)
-        assert job.status == "miss" and seen == ["map"]
-        # A cut inside the first page leaves it mapped, zeroed past the end: a bad header.
-        assert ("SIGBUS" if keep >= 4096 or keep == 0 else "another key") in job.detail
-        assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(NS, 8))
-        assert seen == ["map", "map"]
+        writer = os.open(path, os.O_RDWR)
+        try:
+            assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
+            assert "map" not in seen
+        finally:
+            os.close(writer)
+        dest[:] = 0
+        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
+        assert seen == ["map"]
+
+
+@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(
+    not os.access("/proc/sys/fs/lease-break-time", os.W_OK),
+    reason="the kernel's lease-break-time is not writable here (root on the host: CI)",
+)
+@pytest.mark.parametrize("keep", [0, 100, HEADER_BYTES + 5000, HEADER_BYTES + 300_000])
+def test_a_unit_truncated_past_its_broken_lease_is_a_miss(tmp_path, monkeypatch, keep):
+    """A lease held past the kernel's lease-break-time (made 1 s here) is broken and the
+    truncation goes through while the unit is mapped: pages past the new end fault (SIGBUS)
+    inside the mapped read, the unit is a miss, the process lives on, and the next unit
+    loads (through its mapping too)."""
+    knob = "/proc/sys/fs/lease-break-time"
+    with open(knob) as f:
+        before = f.read()
+    store, path = stored(tmp_path)
+    try:
+        with open(knob, "w") as f:
+            f.write("1")
+        with store:
+            assert store.store(8, 0, row(NS, 8), 0).ok
+            for unit in unit_files(store):
+                warm(unit)
+            cut = lambda stage, p: p == path and in_another_process(TRUNCATE, p, str(keep))  # noqa: E731
+            seen = stages(monkeypatch, cut)
+            dest = np.zeros(NS.total_bytes, np.uint8)
+            job = store.load(7, 0, 64, dest)
+            assert job.status == "miss" and seen[0] == "map"
+            # A cut inside the first page leaves it mapped, zeroed past the end: a bad header.
+            assert ("SIGBUS" if keep >= 4096 or keep == 0 else "another key") in job.detail
+            seen.clear()
+            assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(NS, 8))
+            assert seen == ["map"]
+    finally:
+        with open(knob, "w") as f:
+            f.write(before)
 
 
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")

@@ -12,10 +12,11 @@
 //   byte is read (a FIFO never blocks).
 // - A load hashes (XXH3-128, or the caller's MAC through Python) every byte it reads and
 //   compares the header with the bytes the caller expects. Caller memory is written only
-//   under the job's claim, from 4 KiB blocks each hashed while in L1 and then streamed
+//   under the job's claim, from blocks each hashed while in L1 and then streamed
 //   (non-temporal stores) into the destination: a unit the page cache holds whole is mapped
-//   (populated first; one pass: each block snapshotted from the mapping, so the bytes hashed
-//   are the bytes delivered; a SIGBUS from a unit truncated meanwhile makes it CORRUPT), any
+//   under a read lease (populated first; one pass: each 2 KiB block hashed from the mapping
+//   and streamed on; the lease keeps writers out, and a writer that broke it meanwhile sends
+//   the unit to the pieces below; a SIGBUS inside the mapping makes it CORRUPT), any
 //   other is read into the batch's aligned buffer first, except pieces RWF_NOWAIT finds in
 //   the page cache, read straight into the destination (they never wait for a device, so
 //   the claimed window is a bounded copy). An expired job writes nothing.
@@ -97,6 +98,7 @@ enum Status : int {
 constexpr int kAlign = 4096;  // O_DIRECT offsets, lengths and buffers
 constexpr size_t kMaxHeader = 96 + 1024;
 constexpr size_t kStep = 256 << 10;          // bytes copied then hashed at once: they stay in L2
+constexpr size_t kMappedBlock = 2048;        // a mapped unit's: hashed, then streamed from L1
 constexpr size_t kBlock = 4096;              // bytes hashed then streamed at once: they stay in L1
 constexpr size_t kPrefetchBytes = 16 << 20;  // a batch's units asked for ahead of their reads
 constexpr size_t kOpenAhead = 8;  // of those, kept open for their turn (descriptors per batch)
@@ -444,9 +446,10 @@ const StreamFn g_stream = pick_stream();
 
 // ----------------------------------------------------------------- mapped reads and SIGBUS
 
-// A warm load reads its unit through a mapping of the page cache (one pass: each 4 KiB
-// block is copied into L1, hashed there and streamed on). Another process may truncate the
-// file meanwhile: the next touch of a page past its new end raises SIGBUS. The handler turns
+// A warm load reads its unit through a mapping of the page cache (one pass: each 2 KiB
+// block hashed from the mapping and streamed on). A truncation waits for the reader's lease,
+// but the kernel breaks a lease held past its lease-break-time, and a page the kernel evicts
+// and cannot read again faults: the next touch raises SIGBUS. The handler turns
 // a SIGBUS inside the span this thread is reading into a siglongjmp back to the reader (the
 // unit is CORRUPT, a miss); any other SIGBUS goes to the handler that was there before (or
 // the default action: the fault repeats and ends the process, as without us).
@@ -912,15 +915,14 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
       g_stream(static_cast<unsigned char*>(item.data.buf) + (a - item.lo), from + (a - p0), b - a);
   }
 
-  // One pass over a mapped unit: each block is copied into L1 (a snapshot: the destination
-  // gets exactly the bytes hashed, whatever another process writes meanwhile), hashed there
-  // and streamed on. Claimed one piece at a time: the pages are mapped already (populated),
-  // so a claimed stretch is a memory copy.
+  // One pass over a mapped unit: each 2 KiB block hashed from the mapping (into L1) and
+  // streamed on from there. The file is under a read lease meanwhile (mapped_unit), so no
+  // writer changes it between the two reads of a block. Claimed one piece at a time: the
+  // pages are mapped already (populated), so a claimed stretch is a memory copy.
   int mapped_blocks(const unsigned char* map) {
-    alignas(64) unsigned char block[kBlock];
-    static_assert(kMaxHeader <= kBlock, "the header fits a block");
-    memcpy(block, map, hl);
-    if (int status = begin(block); status != OK) return status;
+    unsigned char header[kMaxHeader];
+    memcpy(header, map, hl);
+    if (int status = begin(header); status != OK) return status;
     for (size_t pos = hl; pos < total;) {
       const size_t end = std::min(total, pos + opt.piece);
       const bool wanted = end - hl > item.lo && pos - hl < item.hi;
@@ -929,10 +931,9 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
         map_claimed = true;
       }
       for (; pos < end;) {
-        const size_t m = std::min(kBlock, end - pos);
-        memcpy(block, map + pos, m);
-        UNITIO_XXH3_UPDATE(&hasher.state, block, m);
-        if (wanted) deliver(pos - hl, block, m);
+        const size_t m = std::min(kMappedBlock, end - pos);
+        UNITIO_XXH3_UPDATE(&hasher.state, map + pos, m);
+        if (wanted) deliver(pos - hl, map + pos, m);
         pos += m;
       }
       if (wanted) {
@@ -949,13 +950,24 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   // SIGBUS (the file was truncated under us) makes the unit CORRUPT: a miss, never a load.
   int mapped_unit() {
     if (item.mac != nullptr || !sigbus_guarded()) return kNotMapped;
+    // A read lease first: refused while any open file may write the unit (then it is read in
+    // pieces, as without a mapping); while held, an open for writing or a truncation waits
+    // for its release (or the kernel's lease-break-time), and the lease shows it is broken.
+    // Its break is signalled to the process: SIGURG (ignored unless the process handles it;
+    // SIGIO, the default, would end it), and the owner is cleared at once (no signal at all).
+    if (fcntl(fd, F_SETSIG, SIGURG) != 0 || fcntl(fd, F_SETLEASE, F_RDLCK) != 0) return kNotMapped;
+    fcntl(fd, F_SETOWN, 0);
     void* m = mmap(nullptr, total, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (m == MAP_FAILED) return kNotMapped;
+    if (m == MAP_FAILED) {
+      fcntl(fd, F_SETLEASE, F_UNLCK);
+      return kNotMapped;
+    }
+    char dir[80];
+    snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
     if (hook.fn != nullptr) {  // tests: truncate or rewrite the unit now
-      char dir[80];
-      snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
       if (!hook.call("map", dir, item.name, static_cast<long long>(total))) {
         munmap(m, total);
+        fcntl(fd, F_SETLEASE, F_UNLCK);
         return ERROR;
       }
     }
@@ -977,6 +989,15 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     }
     t_guard = nullptr;
     munmap(m, total);
+    // Every block was hashed and delivered under the lease, unless a writer broke it (it is
+    // breaking, or broken, from the writer's open on): then the blocks delivered may differ
+    // from those hashed, and the unit is read again in pieces, each hashed as delivered.
+    const bool kept = fcntl(fd, F_GETLEASE) == F_RDLCK;
+    fcntl(fd, F_SETLEASE, F_UNLCK);
+    if (status == OK && !kept) {
+      if (hook.fn != nullptr && !hook.call("lease broken", dir, item.name, 0)) return ERROR;
+      return kNotMapped;
+    }
     return status;
   }
 
