@@ -607,20 +607,39 @@ def test_a_unit_truncated_past_its_broken_lease_is_a_miss(tmp_path, monkeypatch,
             f.write(before)
 
 
+# A process that has loaded through a mapping (so the SIGBUS handler is installed), then runs
+# ``code``: it must die of SIGBUS after printing ``marker``, never print "survived".
+HANDLER_INSTALLED = """
+    import mmap, os, signal, sys, faulthandler
+    import numpy as np
+    faulthandler.disable()
+    from helpers.store import row, small_namespace
+    from canonical_ops.units import FileStore
+    ns = small_namespace(8)
+    with FileStore(sys.argv[1], ns, fsync=False, direct_reads=False) as store:
+        assert store.store(1, 0, row(ns, 1), 0).ok
+        assert store.load(1, 0, 8, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
+"""
+
+
+def assert_sigbus_ends_it(tmp_path, code: str, marker: str) -> None:
+    script = textwrap.dedent(HANDLER_INSTALLED) + textwrap.dedent(code)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGBUS, proc.stderr
+    assert marker in proc.stdout and "survived" not in proc.stdout
+
+
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
 def test_a_sigbus_outside_a_mapped_read_still_ends_the_process(tmp_path):
     """The handler takes only faults inside the span a reader maps: any other SIGBUS ends
     the process as before (a bug elsewhere is never swallowed)."""
     code = """
-        import mmap, os, sys, faulthandler
-        import numpy as np
-        faulthandler.disable()
-        from helpers.store import row, small_namespace
-        from canonical_ops.units import FileStore
-        ns = small_namespace(8)
-        with FileStore(sys.argv[1], ns, fsync=False, direct_reads=False) as store:
-            assert store.store(1, 0, row(ns, 1), 0).ok
-            assert store.load(1, 0, 8, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
         path = os.path.join(sys.argv[1], "victim")
         with open(path, "wb") as f:
             f.write(b"x" * 8192)
@@ -631,15 +650,7 @@ def test_a_sigbus_outside_a_mapped_read_still_ends_the_process(tmp_path):
         m[5000]
         print("survived", flush=True)
     """
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=60,
-    )
-    assert proc.returncode == -signal.SIGBUS, proc.stderr
-    assert "touching" in proc.stdout and "survived" not in proc.stdout
+    assert_sigbus_ends_it(tmp_path, code, "touching")
 
 
 @pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
@@ -647,28 +658,11 @@ def test_a_sigbus_sent_to_the_process_still_ends_it(tmp_path):
     """A SIGBUS sent by kill (no fault to repeat) after the handler is installed ends the
     process as the default action would, instead of being swallowed."""
     code = """
-        import os, signal, sys, faulthandler
-        import numpy as np
-        faulthandler.disable()
-        from helpers.store import row, small_namespace
-        from canonical_ops.units import FileStore
-        ns = small_namespace(8)
-        with FileStore(sys.argv[1], ns, fsync=False, direct_reads=False) as store:
-            assert store.store(1, 0, row(ns, 1), 0).ok
-            assert store.load(1, 0, 8, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
         print("sending", flush=True)
         os.kill(os.getpid(), signal.SIGBUS)
         print("survived", flush=True)
     """
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=60,
-    )
-    assert proc.returncode == -signal.SIGBUS, proc.stderr
-    assert "sending" in proc.stdout and "survived" not in proc.stdout
+    assert_sigbus_ends_it(tmp_path, code, "sending")
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
