@@ -946,8 +946,9 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   }
 
   // The whole unit from a mapping of the page cache (the caller saw it all cached), or
-  // kNotMapped (a MAC unit: its hash runs in Python; no SIGBUS guard; mmap refused). A
-  // SIGBUS (the file was truncated under us) makes the unit CORRUPT: a miss, never a load.
+  // kNotMapped: to be read in pieces (a MAC unit: its hash runs in Python; no SIGBUS guard;
+  // no lease; mmap refused; the lease broken while it was read). A SIGBUS (a page that could
+  // not be read again, or a truncation past a broken lease) makes the unit CORRUPT: a miss.
   int mapped_unit() {
     if (item.mac != nullptr || !sigbus_guarded()) return kNotMapped;
     // A read lease first: refused while any open file may write the unit (then it is read in
@@ -1106,8 +1107,8 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   }
 
   // What the page cache holds of the unit (cachestat; unknown counts as not all) decides how
-  // it is read. All of it: one pass over a mapping of it (XXH3 units; a MAC unit, or no SIGBUS
-  // guard: RWF_NOWAIT pieces straight into the destination). Not all, with
+  // it is read. All of it: one pass over a mapping of it under a read lease (XXH3 units; else,
+  // or the lease refused or broken: RWF_NOWAIT pieces straight into the destination). Not all, with
   // direct reads: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is
   // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows),
   // then each piece comes from the page cache once there, else is waited for alone (read into the
