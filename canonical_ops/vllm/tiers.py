@@ -203,7 +203,6 @@ class _CanonicalTier(SecondaryTierManager):
             self._lookup_pool.close(cancel=True)
             raise
         self._rows = primary_kv_view.cast("B")  # released by shutdown (vLLM then unmaps)
-        self._row_stride = self.block_size_bytes
         self._lookups = _Lookups(self)
         self._seed_checked = warn_if_random_hash_seed(tier_type)
         self._check_shared_hash()
@@ -299,7 +298,7 @@ class _CanonicalTier(SecondaryTierManager):
 
     def _row(self, chunk_id: Any) -> memoryview:
         """A chunk's unit payload: its whole row, or (shared) the row's canonical pages."""
-        start = int(chunk_id) * self._row_stride
+        start = int(chunk_id) * self.block_size_bytes
         return self._rows[start : start + self._payload_bytes]
 
     def _position(self, key: OffloadKey, req_context: ReqContext) -> int:
