@@ -963,14 +963,10 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
       fcntl(fd, F_SETLEASE, F_UNLCK);
       return kNotMapped;
     }
-    char dir[80];
-    snprintf(dir, sizeof dir, "%.2s/%s", item.kd, item.kd);
-    if (hook.fn != nullptr) {  // tests: truncate or rewrite the unit now
-      if (!hook.call("map", dir, item.name, static_cast<long long>(total))) {
-        munmap(m, total);
-        fcntl(fd, F_SETLEASE, F_UNLCK);
-        return ERROR;
-      }
+    if (!item.announce(hook, "map", static_cast<long long>(total))) {  // tests: write it now
+      munmap(m, total);
+      fcntl(fd, F_SETLEASE, F_UNLCK);
+      return ERROR;
     }
     const auto* map = static_cast<const unsigned char*>(m);
     MapGuard guard;
@@ -996,7 +992,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     const bool kept = fcntl(fd, F_GETLEASE) == F_RDLCK;
     fcntl(fd, F_SETLEASE, F_UNLCK);
     if (status == OK && !kept) {
-      if (hook.fn != nullptr && !hook.call("lease broken", dir, item.name, 0)) return ERROR;
+      if (!item.announce(hook, "lease broken", 0)) return ERROR;
       return kNotMapped;
     }
     return status;
