@@ -218,8 +218,7 @@ def test_with_direct_reads_only_a_unit_the_page_cache_lacks_goes_to_the_device(
             f.read()
         dest = np.zeros(NS.total_bytes, np.uint8)
         reads.clear()
-        mapped = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5)  # cachestat
-        assert store.load(7, 0, 8, dest).ok and reads == (["map"] if mapped else [])  # all cached
+        assert store.load(7, 0, 8, dest).ok and "read" not in reads  # all cached: no device read
         fd = os.open(path, os.O_RDONLY)
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -1,6 +1,6 @@
 """Verified loads (issue 30 item 4): whatever path a load takes (a unit the page cache holds
-whole: one pass over a mapping of it, each 4 KiB block snapshotted into L1, hashed and streamed
-on; else RWF_NOWAIT pieces from the page cache, or a device read into the batch's buffer hashed
+whole in huge folios: one pass over a mapping of it under a read lease, each 2 KiB block hashed
+and streamed on; else RWF_NOWAIT pieces from the page cache, or a device read into the batch's buffer hashed
 and streamed on a 4 KiB block at a time, buffered or O_DIRECT; a batch's later units asked for
 ahead), a byte flipped on disk, a unit rewritten or truncated by another process (SIGBUS
 inside a mapping included), a unit read again after its page-cache pages were dropped: each is
@@ -10,10 +10,12 @@ alignment."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -28,10 +30,9 @@ from canonical_ops.units.unit import key_digest
 
 # 64 layers of 16 KiB: a 1 MiB payload, many 4 KiB blocks and four 256 KiB pieces.
 NS = small_namespace(64, head_size=64, block_size=16)
+# 64 layers of 32 KiB: a 2 MiB payload, a unit larger than a huge folio (only such are mapped).
+BIG = small_namespace(64, head_size=64, block_size=32)
 HEADER_BYTES = 104  # 96 + an 8-byte integer key (checked below): blocks off page bounds
-# cachestat (Linux 6.5) tells a unit the page cache holds whole: only then is it mapped.
-MAPS = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5)
-WARM_STAGES = ["map"] if MAPS else []
 
 
 def stages(monkeypatch, action=None) -> list[str]:
@@ -61,11 +62,56 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
+def warm_small(path: str) -> None:
+    """Put ``path`` in the page cache as buffered reads of it leave it after a drop: in
+    folios smaller than huge ones."""
+    drop_cache(path)
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 10):
+            pass
+
+
+def warm_huge(path: str) -> None:
+    """Put ``path`` in the page cache in huge folios: dropped, then read through a mapping
+    marked MADV_HUGEPAGE (the kernel reads ahead a PMD-sized folio per fault there)."""
+    drop_cache(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        for offset in range(0, size, mmap.PAGESIZE):
+            m[offset]
+
+
+def page_cache_maps_huge(directory: str) -> bool:
+    """Whether the page cache of a file in ``directory``, warmed by :func:`warm_huge`, is
+    mapped a PMD at a time (smaps: FilePmdMapped): what a unit needs to be mapped."""
+    fd, path = tempfile.mkstemp(dir=directory)
+    try:
+        os.write(fd, os.urandom(4 << 20))
+        warm_huge(path)
+        with mmap.mmap(fd, 4 << 20, prot=mmap.PROT_READ) as m:
+            m[0]
+            with open("/proc/self/smaps") as smaps:
+                lines = smaps.read().split(os.path.basename(path), 1)[1].splitlines()
+        return any(
+            line.startswith("FilePmdMapped:") and int(line.split()[1]) > 0 for line in lines[:30]
+        )
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+# cachestat (Linux 6.5) tells a unit the page cache holds whole; it is mapped only when the
+# page cache holds it in huge folios (ext4 and XFS on Linux 6.16+, ...), mapped a PMD at a time.
+MAPS = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (6, 5)
+MAPS = MAPS and page_cache_maps_huge(tempfile.gettempdir())
+NO_MAPS = "no unit is mapped here: no cachestat (Linux 6.5) or no huge folios in the page cache"
+
+
 def cached_pages(path: str) -> int:
     """Pages of ``path`` in the page cache: mincore over a mapping (which faults nothing in),
     through libc (Python has no mincore)."""
     import ctypes
-    import mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -105,20 +151,21 @@ FLIP += "os.pwrite(fd,bytes([os.pread(fd,1,o)[0]^0x5A]),o)"
 TRUNCATE = "import os,sys; os.truncate(sys.argv[1], int(sys.argv[2]))"
 
 
-def stored(tmp_path, **options) -> tuple[FileStore, str]:
-    """A store holding key 7 and its unit's path; reads buffered unless ``direct_reads`` or
-    ``direct_io`` is given (the default store reads a unit not all cached O_DIRECT)."""
+def stored(tmp_path, ns=NS, **options) -> tuple[FileStore, str]:
+    """A store of ``ns`` holding key 7 and its unit's path; reads buffered unless
+    ``direct_reads`` or ``direct_io`` is given (the default store reads a unit not all cached
+    O_DIRECT)."""
     options.setdefault("direct_reads", options.get("direct_io", False))
-    store = FileStore(tmp_path, NS, fsync=False, **options)
-    assert store.store(7, 0, row(NS, 7), 0).ok
+    store = FileStore(tmp_path, ns, fsync=False, **options)
+    assert store.store(7, 0, row(ns, 7), 0).ok
     (path,) = unit_files(store)
-    assert os.path.getsize(path) == HEADER_BYTES + NS.total_bytes
+    assert os.path.getsize(path) == HEADER_BYTES + ns.total_bytes
     return store, path
 
 
 def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
     """The load is a miss (not ok, not an error) and the unit was quarantined."""
-    dest = np.zeros(NS.layer_bytes(first, end), np.uint8)
+    dest = np.zeros(store.namespace.layer_bytes(first, end), np.uint8)
     job = store.load(7, first, end, dest)
     return job.status == "miss" and not unit_files(store) and store.metrics().quarantined == 1
 
@@ -128,25 +175,37 @@ def is_a_miss(store: FileStore, first: int = 0, end: int = 64) -> bool:
 
 @pytest.mark.parametrize("shift", [0, 1, 3, 60], ids=lambda s: f"dest+{s}")
 @pytest.mark.parametrize("layers", [(0, 64), (1, 63), (17, 18)], ids=lambda r: f"{r[0]}-{r[1]}")
-@pytest.mark.parametrize("path", ["page cache", "device", "O_DIRECT", "direct_reads"])
+@pytest.mark.parametrize(
+    "path", ["mapped", "page cache", "small folios", "device", "O_DIRECT", "direct_reads"]
+)
 def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers, shift):
     """Whole or partial ranges, into destinations at any alignment (the streamed copy's
     head and tail): exactly the stored bytes, and nothing around them."""
+    if path == "mapped" and not MAPS:
+        pytest.skip(NO_MAPS)
     first, end = layers
+    ns = BIG if path in ("mapped", "small folios") else NS
     store, unit = stored(
-        tmp_path, direct_io=path == "O_DIRECT", direct_reads=path in ("O_DIRECT", "direct_reads")
+        tmp_path,
+        ns,
+        direct_io=path == "O_DIRECT",
+        direct_reads=path in ("O_DIRECT", "direct_reads"),
     )
     with store:
-        (warm if path == "page cache" else drop_cache)(unit)
+        {"mapped": warm_huge, "page cache": warm, "small folios": warm_small}.get(path, drop_cache)(unit)
         seen = stages(monkeypatch)
-        backing = np.full(NS.layer_bytes(first, end) + 64, 0xEE, np.uint8)
-        dest = backing[shift : shift + NS.layer_bytes(first, end)]
+        backing = np.full(ns.layer_bytes(first, end) + 64, 0xEE, np.uint8)
+        dest = backing[shift : shift + ns.layer_bytes(first, end)]
         assert store.load(7, first, end, dest).ok
-        assert np.array_equal(dest, row(NS, 7, first, end))
+        assert np.array_equal(dest, row(ns, 7, first, end))
         assert (backing[:shift] == 0xEE).all() and (backing[shift + dest.size :] == 0xEE).all()
-        # All in the page cache: one pass over a mapping of it; else read (and never mapped).
-        if path == "page cache":
-            assert seen == WARM_STAGES
+        # All in the page cache in huge folios: one pass over a mapping of it. In small folios
+        # (buffered reads), or smaller than a huge folio: pieces from there (those partly
+        # wanted through the buffer: "read"). Else read.
+        if path == "mapped":
+            assert seen == ["map"]
+        elif path in ("page cache", "small folios"):
+            assert "map" not in seen and (seen == [] or layers != (0, 64))
         else:
             assert "read" in seen and "map" not in seen
 
@@ -433,17 +492,22 @@ def store_path(store: FileStore, key: int) -> str:
 # ---------------------------------------------------------------------- a shortcut keeps the guarantee
 
 
+@pytest.mark.parametrize("how", ["mapped", "pieces"])
 @pytest.mark.parametrize("where", ["header", "first block", "mid", "last byte"])
-def test_a_byte_flipped_on_disk_is_a_miss_from_the_page_cache(tmp_path, monkeypatch, where):
+def test_a_byte_flipped_on_disk_is_a_miss_from_the_page_cache(tmp_path, monkeypatch, where, how):
+    if how == "mapped" and not MAPS:
+        pytest.skip(NO_MAPS)
+    ns = BIG if how == "mapped" else NS
     offset = {"header": 5, "first block": HEADER_BYTES, "mid": 300_000}.get(
-        where, HEADER_BYTES + NS.total_bytes - 1
+        where, HEADER_BYTES + ns.total_bytes - 1
     )
-    store, path = stored(tmp_path)
+    store, path = stored(tmp_path, ns)
     with store:
         flip(path, offset)
-        warm(path)
+        (warm_huge if how == "mapped" else warm)(path)
         seen = stages(monkeypatch)
-        assert is_a_miss(store) and seen == WARM_STAGES  # from the page cache
+        # from the page cache: through a mapping of its huge folios, or in pieces
+        assert is_a_miss(store) and seen == (["map"] if how == "mapped" else [])
 
 
 @pytest.mark.parametrize("direct", ["buffered", "direct_reads", "direct_io"])
@@ -482,15 +546,15 @@ def test_a_unit_rewritten_by_another_process_while_read_is_a_miss(tmp_path, monk
         assert is_a_miss(store) and flipped == [path]
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 def test_an_expired_job_writes_nothing_through_the_mapping(tmp_path, monkeypatch):
     """The worker is stuck after mapping (a slow page walk): the deadline passes, the job
     expires, and the destination is never written, even when the worker goes on."""
-    with FileStore(tmp_path, NS, fsync=False, direct_reads=False, deadline_s=0.2) as store:
-        assert store.store(7, 0, row(NS, 7), 0).ok
-        warm(unit_files(store)[0])
+    with FileStore(tmp_path, BIG, fsync=False, direct_reads=False, deadline_s=0.2) as store:
+        assert store.store(7, 0, row(BIG, 7), 0).ok
+        warm_huge(unit_files(store)[0])
         stages(monkeypatch, lambda stage, path: time.sleep(0.6) if stage == "map" else None)
-        dest = np.zeros(NS.total_bytes, np.uint8)
+        dest = np.zeros(BIG.total_bytes, np.uint8)
         job = store.pool.wait(store.submit_load(7, 0, 64, dest), timeout=10)
         assert job.status == "expired"
         time.sleep(0.8)  # the abandoned worker wakes up and finds its claim refused
@@ -515,7 +579,7 @@ WRITERS = [(FLIP, 5), (FLIP, HEADER_BYTES + 4096), (FLIP, HEADER_BYTES + 400_000
 WRITERS += [(TRUNCATE, 0), (TRUNCATE, HEADER_BYTES + 300_000)]
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 @pytest.mark.parametrize(("code", "arg"), WRITERS, ids=["flip"] * 3 + ["truncate"] * 2)
 def test_a_writer_arriving_while_mapped_sends_the_unit_to_the_pieces(
     tmp_path, monkeypatch, code, arg
@@ -525,9 +589,9 @@ def test_a_writer_arriving_while_mapped_sends_the_unit_to_the_pieces(
     from the mapping are then not trusted, the unit is read again in pieces (hashed as
     delivered, racing the writer), so the load is the stored bytes or a miss, never other
     bytes; once the writer is through, the unit is a miss."""
-    store, path = stored(tmp_path)
+    store, path = stored(tmp_path, BIG)
     with store:
-        warm(path)
+        warm_huge(path)
         writers: list[subprocess.Popen] = []
 
         def arrive(stage: str, p: str) -> None:
@@ -537,40 +601,40 @@ def test_a_writer_arriving_while_mapped_sends_the_unit_to_the_pieces(
                 assert lease_breaking(p), "the writer did not wait for the lease"
 
         seen = stages(monkeypatch, arrive)
-        dest = np.zeros(NS.total_bytes, np.uint8)
+        dest = np.zeros(BIG.total_bytes, np.uint8)
         job = store.load(7, 0, 64, dest)
         assert seen[:2] == ["map", "lease broken"] and len(writers) == 1
         assert writers[0].wait(timeout=60) == 0
         assert job.status in ("ok", "miss"), job.detail
         if job.ok:  # read before the writer got through: the stored bytes, verified
-            assert np.array_equal(dest, row(NS, 7))
+            assert np.array_equal(dest, row(BIG, 7))
             assert is_a_miss(store)
         else:
             assert unit_files(store) == [] and store.metrics().quarantined == 1
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 def test_a_unit_open_for_writing_elsewhere_is_read_in_pieces_not_mapped(tmp_path, monkeypatch):
     """A read lease is refused while any open file may write the unit (a writer could change
     a block between its hash and its copy): the unit is read in pieces, hashed as delivered;
     once the writer has closed it, it is mapped again."""
-    store, path = stored(tmp_path)
+    store, path = stored(tmp_path, BIG)
     with store:
-        warm(path)
+        warm_huge(path)
         seen = stages(monkeypatch)
-        dest = np.zeros(NS.total_bytes, np.uint8)
+        dest = np.zeros(BIG.total_bytes, np.uint8)
         writer = os.open(path, os.O_RDWR)
         try:
-            assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
+            assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(BIG, 7))
             assert "map" not in seen
         finally:
             os.close(writer)
         dest[:] = 0
-        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(NS, 7))
+        assert store.load(7, 0, 64, dest).ok and np.array_equal(dest, row(BIG, 7))
         assert seen == ["map"]
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 @pytest.mark.skipif(
     not os.access("/proc/sys/fs/lease-break-time", os.W_OK),
     reason="the kernel's lease-break-time is not writable here (root on the host: CI)",
@@ -584,23 +648,23 @@ def test_a_unit_truncated_past_its_broken_lease_is_a_miss(tmp_path, monkeypatch,
     knob = "/proc/sys/fs/lease-break-time"
     with open(knob) as f:
         before = f.read()
-    store, path = stored(tmp_path)
+    store, path = stored(tmp_path, BIG)
     try:
         with open(knob, "w") as f:
             f.write("1")
         with store:
-            assert store.store(8, 0, row(NS, 8), 0).ok
+            assert store.store(8, 0, row(BIG, 8), 0).ok
             for unit in unit_files(store):
-                warm(unit)
+                warm_huge(unit)
             cut = lambda stage, p: p == path and in_another_process(TRUNCATE, p, str(keep))  # noqa: E731
             seen = stages(monkeypatch, cut)
-            dest = np.zeros(NS.total_bytes, np.uint8)
+            dest = np.zeros(BIG.total_bytes, np.uint8)
             job = store.load(7, 0, 64, dest)
             assert job.status == "miss" and seen[0] == "map"
             # A cut inside the first page leaves it mapped, zeroed past the end: a bad header.
             assert ("SIGBUS" if keep >= 4096 or keep == 0 else "another key") in job.detail
             seen.clear()
-            assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(NS, 8))
+            assert store.load(8, 0, 64, dest).ok and np.array_equal(dest, row(BIG, 8))
             assert seen == ["map"]
     finally:
         with open(knob, "w") as f:
@@ -615,10 +679,10 @@ HANDLER_INSTALLED = """
     faulthandler.disable()
     from helpers.store import row, small_namespace
     from canonical_ops.units import FileStore
-    ns = small_namespace(8)
+    ns = small_namespace(64, head_size=64, block_size=32)  # larger than a huge folio
     with FileStore(sys.argv[1], ns, fsync=False, direct_reads=False) as store:
         assert store.store(1, 0, row(ns, 1), 0).ok
-        assert store.load(1, 0, 8, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
+        assert store.load(1, 0, 64, np.zeros(ns.total_bytes, np.uint8)).ok  # installs it
 """
 
 
@@ -635,7 +699,7 @@ def assert_sigbus_ends_it(tmp_path, code: str, marker: str) -> None:
     assert marker in proc.stdout and "survived" not in proc.stdout
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 def test_a_sigbus_outside_a_mapped_read_still_ends_the_process(tmp_path):
     """The handler takes only faults inside the span a reader maps: any other SIGBUS ends
     the process as before (a bug elsewhere is never swallowed)."""
@@ -653,7 +717,7 @@ def test_a_sigbus_outside_a_mapped_read_still_ends_the_process(tmp_path):
     assert_sigbus_ends_it(tmp_path, code, "touching")
 
 
-@pytest.mark.skipif(not MAPS, reason="cachestat (Linux 6.5): no unit is mapped without it")
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
 def test_a_sigbus_sent_to_the_process_still_ends_it(tmp_path):
     """A SIGBUS sent by kill (no fault to repeat) after the handler is installed ends the
     process as the default action would, instead of being swallowed."""
