@@ -788,7 +788,7 @@ struct MapArena {
   }
   // After a unit's load: unmapped now only if it was mapped alone.
   void unmap(unsigned char* m, size_t total) {
-    if (!(m >= base && m < base + kSize && raw != nullptr)) munmap(m, total);
+    if (raw == nullptr || m < base || m >= base + kSize) munmap(m, total);
   }
 };
 
