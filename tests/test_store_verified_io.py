@@ -192,7 +192,9 @@ def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers
         direct_reads=path in ("O_DIRECT", "direct_reads"),
     )
     with store:
-        {"mapped": warm_huge, "page cache": warm, "small folios": warm_small}.get(path, drop_cache)(unit)
+        {"mapped": warm_huge, "page cache": warm, "small folios": warm_small}.get(path, drop_cache)(
+            unit
+        )
         seen = stages(monkeypatch)
         backing = np.full(ns.layer_bytes(first, end) + 64, 0xEE, np.uint8)
         dest = backing[shift : shift + ns.layer_bytes(first, end)]
@@ -544,6 +546,34 @@ def test_a_unit_rewritten_by_another_process_while_read_is_a_miss(tmp_path, monk
 
         stages(monkeypatch, rewrite)
         assert is_a_miss(store) and flipped == [path]
+
+
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
+def test_a_batch_maps_its_units_side_by_side_and_one_too_large_alone(tmp_path, monkeypatch):
+    """A batch's units are mapped at 2 MiB boundaries into one reserved 64 MiB range: 20
+    units of 2 MiB + a header (4 MiB each there) outgrow it, so it is let go and reserved again
+    midway; a 64 MiB unit is larger than the range and is mapped on its own. Every unit is
+    mapped (its huge folios) and loads the stored bytes, twice (nothing left mapped between)."""
+    with FileStore(tmp_path / "many", BIG, fsync=False, direct_reads=False) as store:
+        for key in range(20):
+            assert store.store(key, 0, row(BIG, key), 0).ok
+        for unit in unit_files(store):
+            warm_huge(unit)
+        seen = stages(monkeypatch)
+        for _ in range(2):
+            dests = [np.zeros(BIG.total_bytes, np.uint8) for _ in range(20)]
+            assert store.loads([(k, 0, 64, d) for k, d in enumerate(dests)]).ok
+            assert all(np.array_equal(d, row(BIG, k)) for k, d in enumerate(dests))
+        assert seen == ["map"] * 40
+    large = small_namespace(64, head_size=64, block_size=1024)  # 64 MiB
+    with FileStore(tmp_path / "large", large, fsync=False, direct_reads=False) as store:
+        assert store.store(3, 0, row(large, 3), 0).ok
+        (unit,) = unit_files(store)
+        warm_huge(unit)
+        seen = stages(monkeypatch)
+        dest = np.zeros(large.total_bytes, np.uint8)
+        assert store.load(3, 0, 64, dest).ok and np.array_equal(dest, row(large, 3))
+        assert seen == ["map"]
 
 
 @pytest.mark.skipif(not MAPS, reason=NO_MAPS)
