@@ -1189,12 +1189,12 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
   }
 
   // What the page cache holds of the unit (cachestat; unknown counts as not all) decides how
-  // it is read. All of it: one pass over a mapping of it under a read lease (XXH3 units; else,
-  // or the lease refused or broken: RWF_NOWAIT pieces straight into the destination). Not all, with
-  // direct reads: O_DIRECT, its pieces read ahead (LoadBatch). Not all, buffered: the kernel is
-  // asked for the whole unit at once (WILLNEED: unit-sized device requests, not readahead windows),
-  // then each piece comes from the page cache once there, else is waited for alone (read into the
-  // buffer); the next piece tries the page cache again.
+  // it is read. All of it: one pass over a mapping of it under a read lease (XXH3 units it holds
+  // in huge folios; else, or the lease refused or broken: RWF_NOWAIT pieces straight into the
+  // destination). Not all, with direct reads: O_DIRECT, its pieces read ahead (LoadBatch). Not
+  // all, buffered: the kernel is asked for the whole unit at once (WILLNEED: unit-sized device
+  // requests, not readahead windows), then each piece comes from the page cache once there,
+  // else is waited for alone (read into the buffer); the next piece tries the page cache again.
   int read_unit(const Opened& u) {
     hl = item.head.len;
     total = u.total;
