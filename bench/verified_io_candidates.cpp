@@ -229,6 +229,19 @@ LoadFn load_mmap(size_t block, bool populate, bool nt, bool snap = false, bool h
   };
 }
 
+// A cold unit read through a mapping marked MADV_HUGEPAGE: each fault reads ahead a PMD-sized
+// folio (one device request per 2 MiB), which the page cache then keeps in huge folios (so
+// later warm loads of it map a PMD at a time); one pass: hashed and streamed from the mapping.
+LoadFn load_mmap_huge(size_t block) {
+  return [block](Setup& s, int fd, unsigned char* d, Checksum& c, unsigned char* buf) {
+    auto* m = static_cast<unsigned char*>(mmap(nullptr, s.unit, PROT_READ, MAP_SHARED, fd, 0));
+    if (m == MAP_FAILED) return perror("mmap"), exit(1);
+    madvise(m, s.unit, MADV_HUGEPAGE);
+    fused(s, m, d, c, buf, block, true, false);
+    munmap(m, s.unit);
+  };
+}
+
 // A mapping kept from an earlier load (what a cache of mappings would give: the ceiling of
 // one pass when mapping costs nothing), one loop: hash in L1 + NT stream (snap: via an L1 copy).
 std::vector<unsigned char*> g_maps;
@@ -624,6 +637,7 @@ int main(int argc, char** argv) {
       {"cold", "O_DIRECT 512K pieces + XXH3 + NT",
        cold(load_direct(512 * K, true, true), Sum::XXH128, O_DIRECT, 512 * K)},
       {"cold", "mmap+POPULATE fused 16K NT", cold(load_mmap(16 * K, true, true), Sum::XXH128, 0)},
+      {"cold", "mmap MADV_HUGEPAGE fused 2K NT", cold(load_mmap_huge(2 * K), Sum::XXH128, 0)},
       {"store", "pwrite whole @0 (vLLM fs)", store(store_plain, Sum::NONE)},
       {"store", "pwrite 256K then XXH3 (today)", store(store_pieces(256 * K, false), Sum::XXH128)},
       {"store", "XXH3 256K then pwrite", store(store_pieces(256 * K, true), Sum::XXH128)},
