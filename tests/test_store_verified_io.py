@@ -1,11 +1,11 @@
 """Verified loads (issue 30 item 4): whatever path a load takes (a unit the page cache holds
 whole in huge folios: one pass over a mapping of it under a read lease, each 2 KiB block hashed
-and streamed on; else RWF_NOWAIT pieces from the page cache, or a device read into the batch's buffer hashed
-and streamed on a 4 KiB block at a time, buffered or O_DIRECT; a batch's later units asked for
-ahead), a byte flipped on disk, a unit rewritten or truncated by another process (SIGBUS
-inside a mapping included), a unit read again after its page-cache pages were dropped: each is
-a miss (quarantined), never a load, never a crash. And the streamed copies land exactly, at any
-alignment."""
+and streamed on; else RWF_NOWAIT pieces from the page cache, or a device read into the batch's
+buffer hashed and streamed on a 4 KiB block at a time, buffered or O_DIRECT; a batch's later
+units asked for ahead), a byte flipped on disk, a unit rewritten or truncated by another
+process (SIGBUS inside a mapping included), a unit read again after its page-cache pages were
+dropped: each is a miss (quarantined), never a load, never a crash. And the streamed copies
+land exactly, at any alignment."""
 
 from __future__ import annotations
 
@@ -200,9 +200,8 @@ def test_loads_land_exactly_at_any_alignment(tmp_path, monkeypatch, path, layers
         direct_reads=path in ("O_DIRECT", "direct_reads"),
     )
     with store:
-        {"mapped": warm_huge, "page cache": warm, "small folios": warm_small}.get(path, drop_cache)(
-            unit
-        )
+        warmed = {"mapped": warm_huge, "page cache": warm, "small folios": warm_small}
+        warmed.get(path, drop_cache)(unit)
         seen = stages(monkeypatch)
         backing = np.full(ns.layer_bytes(first, end) + 64, 0xEE, np.uint8)
         dest = backing[shift : shift + ns.layer_bytes(first, end)]

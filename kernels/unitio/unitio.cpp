@@ -1043,12 +1043,11 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
     // SIGIO, the default, would end it), and the owner is cleared at once (no signal at all).
     if (fcntl(fd, F_SETSIG, SIGURG) != 0 || fcntl(fd, F_SETLEASE, F_RDLCK) != 0) return kNotMapped;
     fcntl(fd, F_SETOWN, 0);
-    unsigned char* m = batch->maps.map(fd, total);
-    if (m == nullptr) {
+    unsigned char* map = batch->maps.map(fd, total);
+    if (map == nullptr) {
       fcntl(fd, F_SETLEASE, F_UNLCK);
       return kNotMapped;
     }
-    const auto* map = m;
     MapGuard guard;
     guard.lo = map, guard.hi = map + total;
     map_claimed = false;
@@ -1070,7 +1069,7 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
       status = fail(CORRUPT, "the unit shrank while it was read (SIGBUS)");
     }
     t_guard = nullptr;
-    batch->maps.unmap(m, total);
+    batch->maps.unmap(map, total);
     // Every block was hashed and delivered under the lease, unless a writer broke it (it is
     // breaking, or broken, from the writer's open on): then the blocks delivered may differ
     // from those hashed, and the unit is read again in pieces, each hashed as delivered.
