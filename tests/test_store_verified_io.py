@@ -116,26 +116,34 @@ MAPS = MAPS and page_cache_maps_huge(tempfile.gettempdir())
 NO_MAPS = "no unit is mapped here: no cachestat (Linux 6.5) or no huge folios in the page cache"
 
 
+def libc():
+    """libc through ctypes, for what Python does not wrap (mincore, mseal)."""
+    import ctypes
+
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.syscall.restype, lib.mmap.restype = ctypes.c_long, ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
 def cached_pages(path: str) -> int:
     """Pages of ``path`` in the page cache: mincore over a mapping (which faults nothing in),
     through libc (Python has no mincore)."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib = libc()
     size = os.path.getsize(path)
     vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
     fd = os.open(path, os.O_RDONLY)
     try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        address = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
         try:
-            assert libc.mincore(address, size, vec) == 0, ctypes.get_errno()
+            assert lib.mincore(address, size, vec) == 0, ctypes.get_errno()
         finally:
-            libc.munmap(address, size)
+            lib.munmap(address, size)
     finally:
         os.close(fd)
     return sum(b & 1 for b in vec.raw)
@@ -581,6 +589,65 @@ def test_a_batch_maps_its_units_side_by_side_and_one_too_large_alone(tmp_path, m
         dest = np.zeros(large.total_bytes, np.uint8)
         assert store.load(3, 0, 64, dest).ok and np.array_equal(dest, row(large, 3))
         assert seen == ["map"]
+
+
+def seal(address: int, length: int) -> int:
+    """mseal(2) (Linux 6.10; syscall 462 on x86-64 and the generic table): the range can no
+    longer be unmapped or mapped over. 0, or the errno."""
+    import ctypes
+
+    args = (ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_ulong(0))
+    return 0 if libc().syscall(ctypes.c_long(462), *args) == 0 else ctypes.get_errno()
+
+
+def can_seal() -> bool:
+    """Whether mseal works here (on a page of its own, left sealed: it can never be unmapped)."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        return False
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    page = libc().mmap(None, mmap.PAGESIZE, 0, flags, -1, 0)  # PROT_NONE
+    return page not in (None, 2**64 - 1) and seal(page, mmap.PAGESIZE) == 0
+
+
+def mapped_at(path: str) -> int:
+    """Where this process maps ``path`` from its first byte (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == real and int(fields[2], 16) == 0:
+                return int(fields[0].split("-")[0], 16)
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.skipif(not MAPS, reason=NO_MAPS)
+@pytest.mark.skipif(
+    not can_seal(), reason="no mseal(2) here (Linux 6.10): no MAP_FIXED can be made to fail"
+)
+def test_a_failed_map_fixed_leaves_its_slot_and_the_batch_maps_alone(tmp_path, monkeypatch):
+    """A batch's next slot is sealed while its first unit is mapped (mseal: a MAP_FIXED over it
+    fails, as a kernel out of map entries would make it): that unit is read in pieces, the
+    range around the slot is let go, the slot left as it is, the batch's later units are
+    mapped alone; every unit loads its stored bytes, and the next batch maps in a new range."""
+    with FileStore(tmp_path, BIG, fsync=False, direct_reads=False) as store:
+        for key in range(4):
+            assert store.store(key, 0, row(BIG, key), 0).ok
+        for unit in unit_files(store):
+            warm_huge(unit)
+        slot = math.ceil(os.path.getsize(unit_files(store)[0]) / (2 << 20)) * (2 << 20)
+        sealed: list[int] = []
+
+        def seal_next_slot(stage: str, path: str) -> None:
+            if stage == "map" and not sealed:
+                sealed.append(seal(mapped_at(path) + slot, slot))
+
+        seen = stages(monkeypatch, seal_next_slot)
+        for _ in range(2):
+            dests = [np.zeros(BIG.total_bytes, np.uint8) for _ in range(4)]
+            assert store.loads([(k, 0, 64, d) for k, d in enumerate(dests)]).ok
+            assert all(np.array_equal(d, row(BIG, k)) for k, d in enumerate(dests))
+        assert sealed == [0]
+        assert seen == ["map"] * 3 + ["map"] * 4
 
 
 @pytest.mark.skipif(not MAPS, reason=NO_MAPS)
