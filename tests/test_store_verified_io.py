@@ -9,6 +9,7 @@ land exactly, at any alignment."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -118,8 +119,6 @@ NO_MAPS = "no unit is mapped here: no cachestat (Linux 6.5) or no huge folios in
 
 def libc():
     """libc through ctypes, for what Python does not wrap (mincore, mseal)."""
-    import ctypes
-
     lib = ctypes.CDLL(None, use_errno=True)
     lib.syscall.restype, lib.mmap.restype = ctypes.c_long, ctypes.c_void_p
     lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
@@ -131,8 +130,6 @@ def libc():
 def cached_pages(path: str) -> int:
     """Pages of ``path`` in the page cache: mincore over a mapping (which faults nothing in),
     through libc (Python has no mincore)."""
-    import ctypes
-
     lib = libc()
     size = os.path.getsize(path)
     vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
@@ -594,16 +591,12 @@ def test_a_batch_maps_its_units_side_by_side_and_one_too_large_alone(tmp_path, m
 def seal(address: int, length: int) -> int:
     """mseal(2) (Linux 6.10; syscall 462 on x86-64 and the generic table): the range can no
     longer be unmapped or mapped over. 0, or the errno."""
-    import ctypes
-
     args = (ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_ulong(0))
     return 0 if libc().syscall(ctypes.c_long(462), *args) == 0 else ctypes.get_errno()
 
 
 def can_seal() -> bool:
     """Whether mseal works here (on a page of its own, left sealed: it can never be unmapped)."""
-    import ctypes
-
     if os.uname().machine not in ("x86_64", "aarch64"):
         return False
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
