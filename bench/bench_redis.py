@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "tests"))
 
+from _machine import free_page_reporting, reporting_note  # noqa: E402
 from _results import goal_row  # noqa: E402
 from helpers.redis_server import RedisServer  # noqa: E402
 
@@ -234,7 +235,8 @@ def markdown(results: dict) -> str:
         f"({results['repeats']} runs, {results['batch']} units per batch). GB/s: best run. "
         f"Ratio: tier / the faster redis-py (as shipped, or with 1 MiB reads), of the best "
         f"runs and of the medians; goal: median ratio >= {GOALS['store']} (store), "
-        f">= {GOALS['load']} (load)",
+        f">= {GOALS['load']} (load). "
+        + reporting_note(*results.get("free_page_reporting_before_after", (None, None))),
         "",
         "| model | unit | op | tier GB/s | redis-py GB/s | redis-py 1 MiB reads GB/s "
         "| ratio (best) | ratio (median) | goal |",
@@ -276,6 +278,7 @@ def main() -> None:
     batch = args.batch or (8 if args.quick else 16)
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
         server = RedisServer(os.path.join(tmp, "redis")).start()
+        reporting_before = free_page_reporting()
         try:
             version = server.client().info("server")["redis_version"]
             results = {
@@ -289,6 +292,7 @@ def main() -> None:
                 "models": {m: bench_model(server, m, batch, repeats) for m in args.models},
             }
             results["goals"] = goals(results["models"])
+            results["free_page_reporting_before_after"] = [reporting_before, free_page_reporting()]
         finally:
             server.stop()
     table = markdown(results)

@@ -59,6 +59,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _machine import free_page_reporting, reporting_note
 from _results import goal_row
 from bench_store import write_report
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -298,7 +299,7 @@ class Case:
 
 
 def run(args) -> dict:
-    load_before = os.getloadavg()[0]
+    load_before, reporting_before = os.getloadavg()[0], free_page_reporting()
     results = []
     shuffle = random.Random(30)
     for name in args.models:
@@ -370,6 +371,7 @@ def run(args) -> dict:
         "threads": args.threads,
         "job_chunks": args.job_chunks,
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "free_page_reporting_before_after": [reporting_before, free_page_reporting()],
         "results": results,
     }
     report["goals"] = goals(report)
@@ -409,6 +411,8 @@ def markdown(report: dict) -> str:
         f"{report['job_chunks']} chunks; 1-min load average before/after: "
         f"{report['load_average_before_after']}. GB/s of row bytes; every load checked "
         "byte for byte.",
+        "",
+        reporting_note(*report.get("free_page_reporting_before_after", (None, None))),
         "",
         "| goal | measured | target | met |",
         "| --- | --- | --- | --- |",
