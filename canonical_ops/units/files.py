@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import canonical_ops._unitio as _unitio
+from layouts.cli import escape_text
 
 from ..checks import check_bool, check_int, check_seconds, check_type
 from . import fsutil, unitfile
@@ -360,7 +361,7 @@ class FileStore(UnitStore):
         if status == _unitio.MISSING:
             return None
         if status == _unitio.UNSAFE_DIR:
-            what = f"{self.directory}/{req.kd[:2]}/{req.kd}: {_UNSAFE_DIR}"
+            what = f"{escape_text(self.directory)}/{req.kd[:2]}/{req.kd}: {_UNSAFE_DIR}"
             return self._store_failed(UnsafePath(err, what))
         return self._store_failed(OSError(err, os.strerror(err)))
 

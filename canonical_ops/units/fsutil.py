@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from layouts.cli import escape_text
+
 from .jobs import current_job
 from .liveness import process_alive, this_process
 
@@ -211,6 +213,7 @@ class Dirs:
             if parent is None or name in self._fds:
                 return self._fds.get(name)
             sub, what = (self._name, self.path) if name == "ns" else (name, f"{self.path}/{name}")
+            what = escape_text(what)  # the root is the operator's: never raw in a message
             try:
                 fd = open_dir(parent, sub, self.perms, create=create, sync=self.sync, what=what)
             except UnsafePath as error:

@@ -97,7 +97,7 @@ def client_options(
     try:  # the address carries no credentials: redis-py's messages cannot leak them
         options = redis.connection.parse_url(scheme + url.address[len(url.scheme) :])
     except ValueError as error:
-        raise ValueError(f"url: {error}") from None
+        raise ValueError(f"url: {escape_text(error)}") from None  # it may quote the URL
     tls = scheme == "rediss"
     base = redis.connection.SSLConnection if tls else redis.connection.Connection
     if scheme == "unix":
