@@ -448,6 +448,28 @@ def test_state_that_cannot_be_resharded_stays_with_its_topology(tmp_path):
     other.close()
 
 
+def test_a_reader_that_cannot_reshard_certified_state_is_told_why(tmp_path):
+    """The other direction: TP=2 certifies Mamba2 n_groups=2 and stores it parallelism free;
+    TP=4 cannot reshard it (its own units are opaque), so it misses. explain_state_miss only
+    asked whether the writer's units were bound to another topology and said nothing."""
+    specs = state_specs(mamba2=REFUSED)
+    engine = open_engine(tmp_path, 2, specs=specs)
+    assert not engine.namespace.topology_bound
+    write(engine, make_truth(specs), specs)
+    engine.close()
+    other = open_engine(tmp_path, 4, specs=specs)
+    assert other.namespace.topology_bound
+    [result] = read(other)
+    assert result["state"].from_tiers == 0  # a miss, never a load
+    error = explain_state_miss(tmp_path, other.namespace, _ctx(4))
+    assert isinstance(error, StateReshardError)
+    assert error.kind == "mamba2" and error.layer == 3 and "n_groups=2" in error.reason
+    message = str(error)
+    assert "\n" not in message and "state layer 3 (mamba2) cannot be resharded" in message
+    assert "tp=4" in message and "stored certified" in message
+    other.close()
+
+
 def test_worker_refuses_tensors_that_are_not_the_spec(tmp_path):
     rows = torch.zeros(2, GDN.canonical_bytes, dtype=torch.uint8)
     good = [make_state_caches(GDN, 2)]
@@ -502,6 +524,20 @@ def test_explain_state_miss_reads_only_private_regular_files(tmp_path):
     thread.start()
     thread.join(10)
     assert not thread.is_alive() and answers == [None]
+
+
+def test_explain_state_miss_does_not_blame_the_topology_for_another_conv_layout(tmp_path):
+    """Units of a conv layout other than the reader's are unreadable at every topology: they
+    used to be explained as "readable only at tp=4" (the conv layout was not compared)."""
+    writer = _namespace(4, state_specs(mamba2=replace(REFUSED, conv_layout="DS")))
+    reader = _namespace(2, state_specs(mamba2=REFUSED))  # conv_layout "SD"
+    directory = tmp_path / writer.state_units().hex
+    directory.mkdir(mode=0o700)
+    (directory / "namespace.json").write_text(json.dumps(writer.state_units().describe()))
+    (directory / "namespace.json").chmod(0o600)
+    assert explain_state_miss(tmp_path, reader, _ctx(2)) is None
+    same_layout = _namespace(2, state_specs(mamba2=replace(REFUSED, conv_layout="DS")))
+    assert isinstance(explain_state_miss(tmp_path, same_layout, _ctx(2)), StateReshardError)
 
 
 def test_state_shard_is_vllms_split():

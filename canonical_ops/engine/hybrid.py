@@ -290,8 +290,28 @@ def explain_state_miss(
                 other.check_state_readable(ctx)
             except StateReshardError as error:
                 return error
+            error = _reader_cannot_reshard(mine, other, ctx)
+            if error is not None:
+                return error
     finally:
         os.close(top)
+    return None
+
+
+def _reader_cannot_reshard(
+    mine: StoreNamespace, other: StoreNamespace, ctx: RankContext
+) -> StateReshardError | None:
+    """The error when a state layer ``other`` stored certified (parallelism free) cannot be
+    resharded at this reader's topology (``mine`` stores it opaque), or None."""
+    for layer, (ours, theirs) in enumerate(zip(mine.states, other.states)):
+        if ours.opaque and not theirs.opaque:
+            tp, dcp, pcp = ctx.tp_size, ctx.dcp_size, ctx.pcp_size
+            message = (
+                f"state layer {layer} ({ours.kind}) cannot be resharded at tp={tp}, dcp={dcp}, "
+                f"pcp={pcp}: {ours.reason}; its units are stored certified (parallelism free) "
+                f"by another topology, readable only where the layer certifies"
+            )
+            return StateReshardError(layer, ours.kind, ours.reason, message)
     return None
 
 
@@ -319,7 +339,8 @@ def _same_model(a: StoreNamespace, b: StoreNamespace) -> bool:
         return False
     if len(a.states) != len(b.states) or len(a.layers) != len(b.layers):
         return False
+    fields = ("kind", "dims", "conv_dtype", "ssm_dtype", "conv_layout")
     return all(
-        (x.kind, x.dims, x.conv_dtype, x.ssm_dtype) == (y.kind, y.dims, y.conv_dtype, y.ssm_dtype)
+        [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
         for x, y in zip(a.states, b.states)
     )
