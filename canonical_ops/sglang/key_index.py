@@ -87,7 +87,9 @@ class TokenKeyIndex:
                 return 0
             parent, first = entry[0][-1], entry[1] + 1
         per_page = self.page_size // self.scheme.hash_block_tokens
-        tokens = token_ids[: len(engine_keys) * self.page_size]
+        # Whole pages only: SGLang also names a trailing partial page, which no unit holds.
+        pages_whole = min(len(engine_keys), len(token_ids) // self.page_size)
+        tokens = token_ids[: pages_whole * self.page_size]
         hashes = self.scheme.block_hashes(tokens, parent)
         pages = [tuple(hashes[at : at + per_page]) for at in range(0, len(hashes), per_page)]
         pages = pages[: len(engine_keys)]
@@ -106,8 +108,10 @@ def observed_token_ids(key: Any) -> list[int] | None:
     key or tuple (multimodal) tokens."""
     if getattr(key, "extra_key", None) is not None or getattr(key, "cache_salt", None) is not None:
         return None
+    raw = getattr(key, "raw_token_ids", None)  # a RadixKey's ids up to its limit: what it hashed
     try:
-        tokens = None if getattr(key, "is_bigram", False) else list(getattr(key, "token_ids", key))
+        source = raw() if callable(raw) else getattr(key, "token_ids", key)
+        tokens = None if getattr(key, "is_bigram", False) else list(source)
     except TypeError:
         return None
     if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

@@ -219,6 +219,32 @@ def test_keys_follow_the_token_chain_across_calls(extra):
     assert [backend.core.index.canonical(k) for k in head + tail] == expected
 
 
+@pytest.mark.parametrize("hashed", ["partial page", "radix key limit"])
+def test_a_page_of_fewer_tokens_has_no_canonical_key(extra, store_dir, hashed):
+    """SGLang hashes a trailing partial page, and a RadixKey's tokens only up to its limit:
+    that page holds fewer tokens than a unit, so it has no canonical key (a miss, never
+    stored), never the key of a unit holding other tokens; the whole pages keep theirs."""
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    page = MODEL.page_size
+    config = {**extra, "hash_block_tokens": page // 2}
+    ((pool, backend),) = group(MODEL, 1, "page_first", config)
+    n = page + page // 2 + 1  # one whole page, then a partial one of a whole hash block and more
+    key = TOKENS[:n] if hashed == "partial page" else RadixKey(array("q", TOKENS), limit=n)
+    keys = get_storage_hash_str(key, None, page_size=page)
+    assert len(keys) == 2  # SGLang names the partial page too
+    index = backend.core.index
+    whole = TokenKeyScheme("sha256", page // 2).unit_keys(TOKENS, page)
+    assert index.canonical(keys[0]) == whole[0]
+    assert index.canonical(keys[1]) is None
+    slots = pool.alloc(2 * page)
+    fill_pages(MODEL, pool, 1, 0, slots)
+    assert backend.batch_set_v1(keys, slots) == [True, False]
+    assert len(unit_files(store_dir)) == 1
+
+
 # ------------------------------------------------------------------ refusals
 
 
