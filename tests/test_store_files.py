@@ -229,7 +229,7 @@ def test_ambiguous_end_needs_end(tmp_path) -> None:
     spec = LayerSpec("full", 4, 1, 8, "bfloat16", "packed", "NHD")
     ns = StoreNamespace.from_specs(
         ModelIdentity("m"), [spec, None, spec], RankContext(2, 2, 0),
-        fallback_page_sizes=[0, 0, 0], block_size=4,
+        fallback_page_sizes=[0, 0, 0], fallback_layouts=["x"] * 3, block_size=4,
     )  # fmt: skip
     with FileStore(tmp_path, ns, fsync=False) as s:
         page = bytes(ns.layer_bytes(0, 1))

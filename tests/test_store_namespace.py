@@ -173,11 +173,60 @@ def test_opaque_from_bytes() -> None:
     assert layer.opaque and layer.canonical_page_size_bytes == 8 * 1000
     assert layer.tokens_per_page == 32 and layer.topology == (4, 1, 2, 1)
     ns = StoreNamespace.from_specs(
-        MODEL, [None, full(4)], RankContext(4, 8, 0), fallback_page_sizes=[300, 0], block_size=16
+        MODEL,
+        [None, full(4)],
+        RankContext(4, 8, 0),
+        fallback_page_sizes=[300, 0],
+        fallback_layouts=["uint8 block [300] strides [300, 1]", None],
+        block_size=16,
     )
     assert ns.layers[0].attention == "unknown" and ns.layer_bytes(0, 1) == 4 * 300
     with pytest.raises(ValueError, match="fallback_page_sizes"):
         StoreNamespace.from_specs(MODEL, [None], RankContext(4, 8, 0))
+
+
+def test_pages_of_unknown_layout_laid_out_differently_never_share_a_namespace() -> None:
+    """Two engines at one topology whose unrecognised pages have the same size but another
+    physical layout (dtype, shape, strides) must not read each other's units: fail closed."""
+
+    def ns(physical, size=256):
+        return StoreNamespace.from_specs(
+            MODEL,
+            [full(2), None],
+            RankContext(2, 8, 0),
+            fallback_page_sizes=[0, size],
+            fallback_layouts=[None, physical],
+            block_size=16,
+        )
+
+    nhd, hnd = (
+        "bfloat16 block [16, 4, 2] strides [128, 8, 2, 1]",
+        "bfloat16 block [4, 16, 2] strides [128, 32, 2, 1]",
+    )
+    assert ns(nhd).digest == ns(nhd).digest
+    assert ns(nhd).digest != ns(hnd).digest
+    assert ns(nhd).layers[1].physical == nhd and ns(nhd).layers[0].physical is None
+    assert StoreNamespace.from_description(ns(hnd).describe()).digest == ns(hnd).digest
+    with pytest.raises(ValueError, match=r"fallback_layouts\[1\]"):  # a None spec names its layout
+        StoreNamespace.from_specs(
+            MODEL,
+            [full(2), None],
+            RankContext(2, 8, 0),
+            fallback_page_sizes=[0, 256],
+            block_size=16,
+        )
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match=r"fallback_layouts\[1\]: expected"):
+            ns(bad)
+    with pytest.raises(ValueError, match="fallback_layouts: expected one entry per layer"):
+        StoreNamespace.from_specs(
+            MODEL, [full(2), None], RankContext(2, 8, 0), fallback_page_sizes=[0, 256],
+            fallback_layouts=[nhd], block_size=16,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="physical: expected None for a certified layer"):
+        LayerGeometry.from_description({**ns(nhd).layers[0].describe(), "physical": nhd})
+    # a certified layer's description has no "physical": its digest is what it always was
+    assert not ns(nhd).layers[0].opaque and "physical" not in ns(nhd).describe()["layers"][0]
 
 
 def test_description_round_trip_and_strictness() -> None:
@@ -245,7 +294,12 @@ def test_unit_geometry() -> None:
     assert ns.layer_bytes(np.int64(0), np.int32(3)) == ns.total_bytes
     # zero-byte (empty opaque) layers make the end of a payload ambiguous
     ns0 = StoreNamespace.from_specs(
-        MODEL, [spec, None], RankContext(8, 8, 0), fallback_page_sizes=[0, 0], block_size=16
+        MODEL,
+        [spec, None],
+        RankContext(8, 8, 0),
+        fallback_page_sizes=[0, 0],
+        fallback_layouts=[None, "uint8 block [0] strides [1, 1]"],
+        block_size=16,
     )
     assert ns0.unit_ends(0, page) == [1, 2]
 

@@ -179,7 +179,12 @@ def test_shared_prefix_refuses_what_cannot_be_shared():
     with pytest.raises(ValueError, match="multiple of the key scheme's hash_block_tokens 16"):
         _namespace(24).shared_prefix(scheme)
     opaque = StoreNamespace.from_specs(
-        ModelIdentity("m"), [None], RankContext(1, 1, 0), fallback_page_sizes=[64], block_size=16
+        ModelIdentity("m"),
+        [None],
+        RankContext(1, 1, 0),
+        fallback_page_sizes=[64],
+        fallback_layouts=["uint8 block [64] strides [64, 1]"],
+        block_size=16,
     )
     with pytest.raises(ValueError, match="opaque"):
         opaque.shared_prefix(scheme)

@@ -244,3 +244,32 @@ def test_spec_mismatch_ignores_strides_of_size_one_dims() -> None:
     assert spec_mismatch(latent, LayerSpec("mla", 16, 1, 64, "bfloat16", "packed", "NHD")) is None
     problem = spec_mismatch(latent, LayerSpec("mla", 16, 1, 32, "bfloat16", "packed", "NHD"))
     assert "shape (num_blocks, 16, 32)" in problem
+
+
+def test_physical_layouts_tell_apart_engines_whose_unrecognised_pages_differ() -> None:
+    """An opaque layer of unknown layout: the worker names its page's physical layout, and a
+    namespace built with it differs from one of the same page size laid out otherwise."""
+    from canonical_ops.engine import physical_layout
+    from canonical_ops.units import ModelIdentity, StoreNamespace
+
+    worker, kv, _ = setup()
+    assert worker.physical_layouts[:2] == [None, None]  # certified layers need none
+    assert worker.physical_layouts[2] == physical_layout(kv[2])
+    assert physical_layout(kv[2]) == "bfloat16 block [4, 16, 64] strides [4096, 1024, 64, 1]"
+    swapped = kv[2].transpose(1, 2).contiguous()  # same bytes per block, tokens before heads
+    assert physical_layout(swapped) == "bfloat16 block [16, 4, 64] strides [4096, 256, 64, 1]"
+
+    def namespace(layouts):
+        spec = LayerSpec("full", 16, 4, 32, "bfloat16", "packed", "HND")
+        return StoreNamespace.from_specs(
+            ModelIdentity("m"),
+            [spec, spec, None],
+            RankContext(2, 8, 0),
+            fallback_page_sizes=[k.stride(0) * 2 for k in kv],
+            fallback_layouts=layouts,
+            block_size=16,
+        )
+
+    ours = namespace(worker.physical_layouts)
+    assert ours.layers[2].physical == physical_layout(kv[2])
+    assert ours.digest != namespace([None, None, physical_layout(swapped)]).digest

@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(("RegionSpaceError", "SharedOffloadRegion", "region_path"), ".region"),
     **dict.fromkeys(("RegionTopologyError", "RowArea"), ".claims"),
     **dict.fromkeys(("OffloadWorker", "TransferJob", "canonical_row_bytes"), ".worker"),
-    "group_layer_mappings": ".worker",
+    **dict.fromkeys(("group_layer_mappings", "physical_layout"), ".worker"),
     **dict.fromkeys(("StageCache", "pp_layer_range", "pp_layer_ranges"), ".cache"),
     **dict.fromkeys(("FileStore", "ModelIdentity", "RedisStore", "StoreNamespace"), "..units"),
 }

@@ -88,6 +88,15 @@ def _check_scales(kv_caches, specs, scales, scale_caches) -> tuple[list, list, l
     return scales, caches, pages
 
 
+def physical_layout(tensor: torch.Tensor) -> str:
+    """How a page of unknown layout lies in ``tensor`` (one block per index of dim 0): its
+    dtype, a block's shape and the strides. A namespace records it for such a layer
+    (``StoreNamespace.from_specs(fallback_layouts=...)``), so engines whose unrecognised pages
+    differ at one topology never share units."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype} block {list(tensor.shape[1:])} strides {list(tensor.stride())}"
+
+
 def _layout(tensors: Sequence[torch.Tensor | None]) -> list:
     return [None if t is None else (t.dtype, t.shape, t.stride()) for t in tensors]
 
@@ -162,7 +171,9 @@ class OffloadWorker:
     Attributes: ``plan_entries``, ``mappings`` / ``group_mappings`` (this rank's / every
     rank's, per entry), ``fallback_reasons`` (opaque layers and why), ``format_id``
     (``"v1-nhd"`` / ``"v1-hnd"``; None: mixed or no spec), ``storage_namespace`` (``format_id``
-    when every layer is certified, else with the topology and an opaque-page digest appended).
+    when every layer is certified, else with the topology and an opaque-page digest appended),
+    ``physical_layouts`` (per layer: :func:`physical_layout` of an opaque one, else None: the
+    ``fallback_layouts`` of the store's ``StoreNamespace.from_specs``).
     """
 
     def __init__(
@@ -220,6 +231,10 @@ class OffloadWorker:
             if group[0].fallback_reason is not None:
                 self.fallback_reasons.setdefault(layer, group[0].fallback_reason)
         opaque = [layer in self.fallback_reasons for layer, _ in self.plan_entries]  # by entry
+        self.physical_layouts = [
+            physical_layout(kv) if layer in self.fallback_reasons else None
+            for layer, kv in enumerate(self.kv_caches)
+        ]
         orders = {spec.order for spec in specs if spec is not None}
         self.format_id = canonical_format_id(orders.pop()) if len(orders) == 1 else None
         base = self.format_id or f"v{CANONICAL_FORMAT_VERSION}-{'mixed' if orders else 'opaque'}"

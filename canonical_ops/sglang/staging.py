@@ -60,6 +60,7 @@ class FragmentStaging:
             [None] * layers,
             RankContext(1, 1, 0),
             fallback_page_sizes=[codec.local_page_bytes] * layers,
+            fallback_layouts=["a writer rank's share of a page of the 'units' namespace"] * layers,
             block_size=codec.page_size,
         )
         # Fragments live seconds and are re-made by the next store: no fsync.

@@ -106,7 +106,7 @@ def _strict(desc: Any, path: str, required: Sequence[str], optional: Sequence[st
 
 def _from_description(cls: type, desc: Any, path: str, fields_: tuple, names: tuple) -> Any:
     """A geometry from its description: strict fields, a topology object, errors naming ``path``."""
-    optional = ("topology", "scales") if cls is LayerGeometry else ("topology",)
+    optional = ("topology", "scales", "physical") if cls is LayerGeometry else ("topology",)
     d = _strict(desc, path, fields_, optional)
     kwargs = {name: d[name] for name in fields_}
     if d.get("topology") is not None:
@@ -114,6 +114,8 @@ def _from_description(cls: type, desc: Any, path: str, fields_: tuple, names: tu
         kwargs["topology"] = tuple(topo[n] for n in names)
     if "scales" in d:
         kwargs["scales"] = _scales_from_description(d["scales"], f"{path}.scales")
+    if "physical" in d:
+        kwargs["physical"] = d["physical"]
     if "dims" in d:
         if not isinstance(d["dims"], Mapping):
             raise ValueError(f"{path}.dims: expected an object")
@@ -147,7 +149,10 @@ class LayerGeometry:
     ``per_token_head_scales`` and ``tokens_per_state`` != "1" are never certified;
     ``opaque`` pages are each rank's page whole, readable by ``topology`` (tp, dcp, pcp,
     interleave) only; ``scales``: a quantised layer's ``layouts.KVScales`` (None: not
-    described at all, so digests of unscaled namespaces never changed).
+    described at all, so digests of unscaled namespaces never changed); ``physical``: an
+    opaque layer of unknown layout's page as its writer holds it (dtype, shape, strides:
+    ``engine.worker.physical_layout``), so that two engines whose unrecognised pages differ
+    at one topology never share units (None: not described; certified layers have none).
     """
 
     attention: str
@@ -163,6 +168,7 @@ class LayerGeometry:
     opaque: bool = False
     topology: tuple[int, int, int, int] | None = None
     scales: KVScales | None = None
+    physical: str | None = None
 
     def __post_init__(self) -> None:
         _choice("attention", self.attention, ("full", "mla", _UNKNOWN))
@@ -201,6 +207,13 @@ class LayerGeometry:
                     f"scales: per-token-head scales need full attention, got {self.attention}"
                 )
         _check_topology(self, _TOPO_LAYER, "layer")
+        if self.physical is not None:
+            _check_str("physical", self.physical)
+            if not self.opaque:
+                raise ValueError(
+                    "physical: expected None for a certified layer (its bytes are canonical), "
+                    f"got {self.physical!r}"
+                )
         if not self.opaque:
             self._check_certified()
 
@@ -272,20 +285,32 @@ class LayerGeometry:
 
     @classmethod
     def opaque_from_bytes(
-        cls, local_page_size_bytes: int, ctx: RankContext, *, block_size: int
+        cls,
+        local_page_size_bytes: int,
+        ctx: RankContext,
+        *,
+        block_size: int,
+        physical: str | None = None,
     ) -> LayerGeometry:
         """A layer of unrecognised layout: ``tp * pcp`` local pages of
-        ``local_page_size_bytes`` side by side (``layouts.opaque_fallback_mapping``)."""
+        ``local_page_size_bytes`` side by side (``layouts.opaque_fallback_mapping``), each
+        laid out as ``physical`` says (None: a page whose layout its namespace names otherwise,
+        as vLLM's rows, described by the model identity)."""
         topology, u = _ctx_topology(ctx), _UNKNOWN
         page = check_int("local_page_size_bytes", local_page_size_bytes, minimum=0)
         tokens = check_int("block_size", block_size, minimum=1) * ctx.cp_size
-        return cls(u, 0, 0, u, u, u, tokens, ctx.group_size * page, opaque=True, topology=topology)
+        size = ctx.group_size * page
+        return cls(
+            u, 0, 0, u, u, u, tokens, size, opaque=True, topology=topology, physical=physical
+        )
 
     def describe(self) -> dict[str, Any]:
         """JSON description (part of the namespace's)."""
         out = _describe(self, _LAYER_FIELDS, _TOPO_LAYER)
         if self.scales is not None:
             out["scales"] = self.scales.describe()
+        if self.physical is not None:
+            out["physical"] = self.physical
         return out
 
     @classmethod
@@ -441,5 +466,7 @@ def _sum_sizes(tensor_bytes: Sequence[int]) -> int:
 
 
 # What a description holds besides the topology (the dataclass fields, in their order).
-_LAYER_FIELDS = tuple(f.name for f in fields(LayerGeometry) if f.name not in ("topology", "scales"))
+_LAYER_FIELDS = tuple(
+    f.name for f in fields(LayerGeometry) if f.name not in ("topology", "scales", "physical")
+)
 _STATE_FIELDS = tuple(f.name for f in fields(StateGeometry) if f.name not in ("topology", "reason"))

@@ -206,13 +206,16 @@ class StoreNamespace:
         *,
         kv_quant: str = "none",
         fallback_page_sizes: Sequence[int] | None = None,
+        fallback_layouts: Sequence[str | None] | None = None,
         block_size: int | None = None,
         scales: Sequence[KVScales | None] | None = None,
     ) -> StoreNamespace:
         """The namespace of a model whose every layer's page on one rank of ``ctx`` is
         ``specs[l]``; None marks a layout not recognised, stored opaquely with
-        ``fallback_page_sizes[l]`` bytes per rank page of ``block_size`` tokens.
-        ``scales[l]``: layer ``l``'s ``layouts.KVScales`` or None."""
+        ``fallback_page_sizes[l]`` bytes per rank page of ``block_size`` tokens, laid out as
+        ``fallback_layouts[l]`` says (``OffloadWorker.physical_layouts``: two engines whose
+        unrecognised pages differ never share units). ``scales[l]``: layer ``l``'s
+        ``layouts.KVScales`` or None."""
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
             raise TypeError("specs: expected a sequence of LayerSpec (or None), one per layer")
         if scales is None:
@@ -222,6 +225,18 @@ class StoreNamespace:
             raise ValueError(
                 f"scales: expected one KVScales (or None) per layer ({len(specs)}), got {got}"
             )
+        for name, per_layer in (
+            ("fallback_page_sizes", fallback_page_sizes),
+            ("fallback_layouts", fallback_layouts),
+        ):
+            if per_layer is not None and (
+                isinstance(per_layer, (str, bytes))
+                or not isinstance(per_layer, Sequence)
+                or len(per_layer) != len(specs)
+            ):
+                raise ValueError(
+                    f"{name}: expected one entry per layer ({len(specs)}), got {per_layer!r}"
+                )
         layers = []
         for i, spec in enumerate(specs):
             if spec is not None:
@@ -233,11 +248,23 @@ class StoreNamespace:
                     raise type(error)(f"scales[{i}]: {error}") from None
             elif scales[i] is not None:
                 raise ValueError(f"scales[{i}]: a layer of unknown layout cannot be scaled")
-            elif fallback_page_sizes is None or block_size is None:
-                raise ValueError(f"specs[{i}]: None needs fallback_page_sizes[{i}] and block_size")
+            elif fallback_page_sizes is None or fallback_layouts is None or block_size is None:
+                raise ValueError(
+                    f"specs[{i}]: None needs fallback_page_sizes[{i}], fallback_layouts[{i}] "
+                    "(the page's physical layout: OffloadWorker.physical_layouts) and block_size"
+                )
             else:
-                page = fallback_page_sizes[i]
-                layers.append(LayerGeometry.opaque_from_bytes(page, ctx, block_size=block_size))
+                page, physical = fallback_page_sizes[i], fallback_layouts[i]
+                if not isinstance(physical, str) or not physical:
+                    raise ValueError(
+                        f"fallback_layouts[{i}]: expected the physical layout of a page of "
+                        f"unknown layout (a non-empty str), got {physical!r}"
+                    )
+                layers.append(
+                    LayerGeometry.opaque_from_bytes(
+                        page, ctx, block_size=block_size, physical=physical
+                    )
+                )
         orders = {s.order for s in specs if s is not None and s.attention == "full"}
         if len(orders) > 1:
             raise ValueError(f"specs: expected one stride order for all layers, got {orders}")
