@@ -16,9 +16,16 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .checks import check_ids, check_int
     from .engine.cache import StageCache, pp_layer_range, pp_layer_ranges
     from .engine.claims import RegionTopologyError, RowArea
+    from .engine.misses import explain_miss
     from .engine.pages import PageCapacityError, PageManager, PageState, PageStateError
     from .engine.region import RegionSpaceError, SharedOffloadRegion, region_path
-    from .engine.worker import OffloadWorker, TransferJob, canonical_row_bytes, group_layer_mappings
+    from .engine.worker import (
+        OffloadWorker,
+        TransferJob,
+        canonical_row_bytes,
+        group_layer_mappings,
+        physical_layout,
+    )
     from .ops import CanonicalTransferError, check_device_errors, load, set_sm_budget, store
     from .plan import default_area_offsets, make_plan
     from .units import FileStore, ModelIdentity, RedisStore, StoreNamespace
@@ -39,7 +46,7 @@ __all__ += ["FileStore", "ModelIdentity", "RedisStore", "StageCache", "StoreName
 __all__ += ["OffloadWorker", "TransferJob", "canonical_row_bytes", "group_layer_mappings"]
 __all__ += ["PageCapacityError", "PageManager", "PageState", "PageStateError", "region_path"]
 __all__ += ["RegionSpaceError", "SharedOffloadRegion", "pp_layer_range", "pp_layer_ranges"]
-__all__ += ["RegionTopologyError", "RowArea"]
+__all__ += ["RegionTopologyError", "RowArea", "explain_miss", "physical_layout"]
 _lazy_getattr, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 

@@ -3,7 +3,8 @@
 ``worker`` (one per rank, one op call per store or load), ``pages`` (block hash -> page,
 readiness, LRU, pins, fills), ``cache`` (a stage's pages backed by unit stores; the stores it
 reads across: ``stage_stores``; what it reports: ``stage_reports``), ``hybrid`` (the state
-side). Imports are lazy."""
+side), ``misses`` (why another topology's units of the model are misses here, in one line).
+Imports are lazy."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _EXPORTS = {
     **dict.fromkeys(("OffloadWorker", "TransferJob", "canonical_row_bytes"), ".worker"),
     **dict.fromkeys(("group_layer_mappings", "physical_layout"), ".worker"),
     **dict.fromkeys(("StageCache", "pp_layer_range", "pp_layer_ranges"), ".cache"),
+    "explain_miss": ".misses",
     **dict.fromkeys(("FileStore", "ModelIdentity", "RedisStore", "StoreNamespace"), "..units"),
 }
 __all__ = sorted(_EXPORTS)

@@ -6,7 +6,6 @@ a StageCache moves them as it moves KV units."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,22 +20,17 @@ from layouts.state import StateLayerMappings, StateSpec, derive_state_group_mapp
 
 from ..checks import check_int, check_type
 from ..plan import make_plan
-from ..units import fsutil
 from ..units.namespace import (
     ModelIdentity,
     StateGeometry,
-    StateReshardError,
     StoreNamespace,
-    is_namespace_hex,
 )
-from ..units.store_report import parse_namespace
+from .misses import explain_state_miss
 from .pages import PageManager
 from .region import RegionTopologyError, RowArea, SharedOffloadRegion
 
 __all__ = ["StateWorker", "explain_state_miss", "hybrid_namespace", "split_stage_layers"]
 __all__ += ["state_group_mappings", "state_page_manager", "state_shard"]
-
-_MAX_NAMESPACE_FILE = 1 << 20  # a namespace.json is a few KiB: bound what is read
 
 
 def split_stage_layers(
@@ -264,83 +258,3 @@ class StateWorker:
     def load(self, *, slot_ids: Any, page_ids: Any) -> None:
         """State rows ``page_ids`` -> slots ``slot_ids`` (this rank's shard)."""
         ops.load(self._tensors, self.rows, self.plan, slot_ids, page_ids)
-
-
-def explain_state_miss(
-    root: str | os.PathLike, namespace: StoreNamespace, ctx: RankContext
-) -> StateReshardError | None:
-    """The error naming why this reader's state units are stored in FileStore ``root`` but
-    unreadable here (same model, another topology, a state layer that cannot be resharded),
-    or None. Only this user's private directories and regular files are read."""
-    check_type("namespace", namespace, StoreNamespace)
-    mine = namespace.state_units()
-    perms = fsutil.Perms()
-    try:
-        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        for entry in sorted(os.listdir(top)):
-            if not is_namespace_hex(entry) or entry == mine.hex:
-                continue
-            other = _read_namespace(top, entry, perms)
-            if other is None or other.unit_kind != "state" or not _same_model(mine, other):
-                continue
-            try:
-                other.check_state_readable(ctx)
-            except StateReshardError as error:
-                return error
-            error = _reader_cannot_reshard(mine, other, ctx)
-            if error is not None:
-                return error
-    finally:
-        os.close(top)
-    return None
-
-
-def _reader_cannot_reshard(
-    mine: StoreNamespace, other: StoreNamespace, ctx: RankContext
-) -> StateReshardError | None:
-    """The error when a state layer ``other`` stored certified (parallelism free) cannot be
-    resharded at this reader's topology (``mine`` stores it opaque), or None."""
-    for layer, (ours, theirs) in enumerate(zip(mine.states, other.states)):
-        if ours.opaque and not theirs.opaque:
-            tp, dcp, pcp = ctx.tp_size, ctx.dcp_size, ctx.pcp_size
-            message = (
-                f"state layer {layer} ({ours.kind}) cannot be resharded at tp={tp}, dcp={dcp}, "
-                f"pcp={pcp}: {ours.reason}; its units are stored certified (parallelism free) "
-                f"by another topology, readable only where the layer certifies"
-            )
-            return StateReshardError(layer, ours.kind, ours.reason, message)
-    return None
-
-
-def _read_namespace(top: int, entry: str, perms: fsutil.Perms) -> StoreNamespace | None:
-    """``<entry>/namespace.json`` through checked descriptors, or None (unsafe, unreadable)."""
-    fd = directory = -1
-    try:
-        directory = fsutil.open_dir(top, entry, perms) or -1
-        fd, st = fsutil.open_file(directory, "namespace.json")
-        if st.st_uid != os.geteuid() or st.st_size > _MAX_NAMESPACE_FILE:
-            return None
-        described = parse_namespace(os.read(fd, _MAX_NAMESPACE_FILE), _MAX_NAMESPACE_FILE)
-        return described if described.hex == entry else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    finally:
-        for descriptor in (fd, directory):
-            if descriptor >= 0:
-                os.close(descriptor)
-
-
-def _same_model(a: StoreNamespace, b: StoreNamespace) -> bool:
-    """Same model, quantisation and layer kinds; only topology-bound parts may differ."""
-    if (a.format_id, a.model, a.kv_quant) != (b.format_id, b.model, b.kv_quant):
-        return False
-    if len(a.states) != len(b.states) or len(a.layers) != len(b.layers):
-        return False
-    fields = ("kind", "dims", "conv_dtype", "ssm_dtype", "conv_layout")
-    return all(
-        [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
-        for x, y in zip(a.states, b.states)
-    )

@@ -304,6 +304,18 @@ class LayerGeometry:
             u, 0, 0, u, u, u, tokens, size, opaque=True, topology=topology, physical=physical
         )
 
+    def refusal(self, layer: int, ctx: RankContext) -> LayerTopologyError | None:
+        """The error for ``ctx``'s topology asking for this layer's units, or None when it
+        may read them (certified, or the writer's own topology)."""
+        here = _ctx_topology(ctx)
+        if not self.opaque or here == self.topology:
+            return None
+        message = (
+            f"layer {layer} is stored opaque (its pages are not parallelism free): its units "
+            f"are readable only at {topology_text(self.topology)}, not at {topology_text(here)}"
+        )
+        return LayerTopologyError(layer, self.topology, message)
+
     def describe(self) -> dict[str, Any]:
         """JSON description (part of the namespace's)."""
         out = _describe(self, _LAYER_FIELDS, _TOPO_LAYER)
@@ -334,6 +346,21 @@ def _scales_from_description(desc: Any, path: str) -> KVScales:
             f"got {d['k_scale']!r}, {d['v_scale']!r}"
         )
     return scales
+
+
+class LayerTopologyError(ValueError):
+    """KV units of a ``layer`` whose pages are not parallelism free, stored by the
+    ``topology`` (tp, dcp, pcp, interleave) that wrote them (None: stored certified, and the
+    reader's topology cannot certify the layer), asked for by another topology."""
+
+    def __init__(self, layer: int, topology: tuple[int, ...] | None, message: str) -> None:
+        super().__init__(message)
+        self.layer, self.topology = layer, topology
+
+
+def topology_text(topology: Sequence[int]) -> str:
+    """``tp=4, dcp=1, pcp=1, interleave=1`` (a state layer's: the first three)."""
+    return ", ".join(f"{name}={value}" for name, value in zip(_TOPO_LAYER, topology))
 
 
 class StateReshardError(ValueError):

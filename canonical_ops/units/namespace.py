@@ -25,6 +25,7 @@ from ..checks import check_int, check_type
 from .auth import StoreSecret
 from .geometry import (
     LayerGeometry,
+    LayerTopologyError,
     StateGeometry,
     StateReshardError,
     _check_str,
@@ -37,6 +38,7 @@ __all__ = [
     "NAMESPACE_SCHEMA",
     "UNIT_KINDS",
     "LayerGeometry",
+    "LayerTopologyError",
     "ModelIdentity",
     "StateGeometry",
     "StateReshardError",
@@ -188,6 +190,14 @@ class StoreNamespace:
     def kv_units(self) -> StoreNamespace:
         """This model's namespace of KV units (``unit_kind="kv"``)."""
         return self if self.unit_kind == "kv" else replace(self, unit_kind="kv")
+
+    def check_kv_readable(self, ctx: RankContext) -> None:
+        """Raise :class:`LayerTopologyError` (naming the layer and both topologies) when a
+        layer here is opaque and ``ctx`` is not its writer's topology."""
+        check_type("ctx", ctx, RankContext)
+        for i, layer in enumerate(self.layers):
+            if (error := layer.refusal(i, ctx)) is not None:
+                raise error
 
     def check_state_readable(self, ctx: RankContext) -> None:
         """Raise :class:`StateReshardError` (naming the layer, its kind and why) when a
