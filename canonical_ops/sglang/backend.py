@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from layouts import RankContext
+from layouts import KVScales, RankContext
 from layouts.cli import escape_text
 
 from ..checks import check_seconds
@@ -40,6 +41,9 @@ CONFIG_KEYS = {
     "model_revision": "weights revision (default '')",
     "model_extra": "dict: anything else that changes a KV byte (RoPE scaling, LoRA, ...)",
     "kv_quant": "KV quantisation (default 'none'; fp8 KV names its format: FP8_FORMATS)",
+    "kv_scales": "fp8 KV's per-tensor scales as SGLang applies them (its attention layers' "
+    "k_scale_float, v_scale_float): [k, v] for every layer, or one [k, v] per model layer; "
+    "required with fp8",
     "num_layers": "layers of the whole model (required with pipeline parallelism)",
     "total_kv_heads": "KV heads of the model (default heads per rank x TP)",
     "staging_dir": "the TP group's private directory (default /dev/shm/canonical-kv-<uid>)",
@@ -57,6 +61,13 @@ CONFIG_KEYS = {
 # SGLang keeps fp8 KV as uint8 in its host pools: only this name tells the format (one
 # spelling each; the fnuz ones for engines storing those, as SGLang on ROCm MI300 does).
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
+# Each format's KV dtype, as the standalone engine and ``layouts`` name it (the namespace's).
+_FP8_DTYPES = {
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "fp8_e4m3fnuz": "float8_e4m3fnuz",
+    "fp8_e5m2fnuz": "float8_e5m2fnuz",
+}
 
 
 _TYPED = dict(store=str, store_options=dict, model_extra=dict, kv_quant=str, staging_dir=str)
@@ -87,6 +98,53 @@ def _config(storage_config: Any) -> dict[str, Any]:
             "never share units)"
         )
     return extra
+
+
+def _kv_scales(extra: dict, kv_quant: str, num_layers: int) -> list[KVScales] | None:
+    """Every layer's per-tensor ``KVScales`` of fp8 KV (``extra_config.kv_scales``: one
+    ``[k, v]`` for all layers, or one per layer), None for other KV. SGLang hands a backend no
+    scale, and bytes of other scales mean other values: fp8 without them is refused."""
+    value = extra.get("kv_scales")
+    if kv_quant not in FP8_FORMATS:
+        if value is not None:
+            raise BackendSetupError(
+                f"extra_config.kv_scales: fp8 KV's scales, given with kv_quant {kv_quant!r}; "
+                f"expected an fp8 kv_quant (one of {FP8_FORMATS}) or no kv_scales"
+            )
+        return None
+    expected = (
+        f"extra_config.kv_scales: expected the per-tensor scales SGLang applies to this {kv_quant} "
+        "KV (its attention layers' k_scale_float, v_scale_float: the checkpoint's, 1.0 without "
+        f"any), finite positive numbers exact in float32: [k, v] for every layer, or one [k, v] "
+        f"for each of the model's {num_layers} layers"
+    )
+    if value is None:
+        raise BackendSetupError(f"{expected}; got none (units of other scales mean other values)")
+    pairs = value
+    if isinstance(value, list) and not any(isinstance(pair, list) for pair in value):
+        pairs = [value] * num_layers
+    if not isinstance(pairs, list) or len(pairs) != num_layers:
+        raise BackendSetupError(f"{expected}; got {value!r:.80}")
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(_exact_scale, pair))):
+            raise BackendSetupError(f"{expected}; got {pair!r:.80}")
+        out.append(KVScales("per-tensor", "float32", float(pair[0]), float(pair[1])))
+    return out
+
+
+def _exact_scale(value: Any) -> bool:
+    """Whether ``value`` is a finite positive number that float32 holds exactly (as SGLang
+    holds a layer's scale, and as a namespace's description must)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        held = float(np.float32(number))
+    return math.isfinite(number) and number > 0 and held == value
 
 
 def _int_option(extra: dict, name: str, default: int | None) -> int | None:
@@ -145,8 +203,17 @@ class CanonicalStorageCore:
                 f"quantisation (fp8: one of {FP8_FORMATS}) so it never meets other KV"
             )
         ctx = RankContext(self.tp_size, codec.total_kv_heads, self.tp_rank)
+        spec, scales = codec.spec, _kv_scales(extra, kv_quant, num_layers)
+        if scales is not None:  # fp8: named as the standalone engine names it, scales and all
+            dtype = _FP8_DTYPES[kv_quant]
+            if codec.dtype not in ("uint8", dtype):
+                raise BackendSetupError(
+                    f"extra_config.kv_quant: {kv_quant} KV is one byte an element, but the "
+                    f"host pool holds {codec.dtype}; expected the engine's own KV format"
+                )
+            spec, kv_quant = replace(spec, dtype=dtype), f"{dtype} per-tensor"
         own = StoreNamespace.from_specs(
-            self.model, [codec.spec] * num_layers, ctx, kv_quant=kv_quant
+            self.model, [spec] * num_layers, ctx, kv_quant=kv_quant, scales=scales
         )
         scheme = self._key_scheme(codec.page_size)
         self.namespace = _shared_or_own(own, scheme)
