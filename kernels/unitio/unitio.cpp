@@ -500,6 +500,24 @@ bool sigbus_guarded() {
   return sigaction(SIGBUS, &ours, nullptr) == 0;
 }
 
+// Whether only writers on this host change the unit's pages (a local disk file system or
+// tmpfs), whom a read lease keeps out. A network or FUSE file system may change them under a
+// lease (another client, its server invalidating the page cache), so a block hashed from the
+// mapping could differ when it is read again to be copied: such units are read in pieces.
+bool local_pages(int fd) {
+  struct statfs where;
+  if (fstatfs(fd, &where) != 0) return false;
+  switch (static_cast<unsigned long>(where.f_type)) {
+    case EXT4_SUPER_MAGIC:  // ext2 / ext3 / ext4
+    case XFS_SUPER_MAGIC:
+    case BTRFS_SUPER_MAGIC:
+    case TMPFS_MAGIC:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Read `want` bytes at `offset` into `buf` (room for `want` rounded up to 4096 when
 // `direct`); the bytes read: fewer only at the end of the file.
 ssize_t read_full(int fd, unsigned char* buf, size_t want, bool direct, off_t offset) {
@@ -1031,11 +1049,13 @@ struct UnitReader : Worker<LoadItem, LoadOptions> {
 
   // The whole unit from a mapping of the page cache (the caller saw it all cached), or
   // kNotMapped: to be read in pieces (a MAC unit: its hash runs in Python; smaller than a
-  // huge folio, or not held in one (huge_mapped); no SIGBUS guard; no lease; mmap refused;
-  // the lease broken while it was read). A SIGBUS (a page that could
+  // huge folio, or not held in one (huge_mapped); no SIGBUS guard; a file system whose pages
+  // others than local writers change (local_pages); no lease; mmap refused; the lease broken
+  // while it was read). A SIGBUS (a page that could
   // not be read again, or a truncation past a broken lease) makes the unit CORRUPT: a miss.
   int mapped_unit() {
     if (item.mac != nullptr || total < MapArena::kHuge || !sigbus_guarded()) return kNotMapped;
+    if (!local_pages(fd)) return kNotMapped;
     // A read lease first: refused while any open file may write the unit (then it is read in
     // pieces, as without a mapping); while held, an open for writing or a truncation waits
     // for its release (or the kernel's lease-break-time), and the lease shows it is broken.
