@@ -321,6 +321,33 @@ def test_another_keys_unit_at_this_name_is_refused(store, admin) -> None:
     assert store.metrics().corrupt_detected == 1
 
 
+def test_a_value_far_longer_than_its_unit_is_never_held_whole(store, admin) -> None:
+    """A value at a unit's name much longer than the unit (Redis allows 512 MiB) is a
+    counted, deleted miss, read through in bounded pieces: never allocated whole."""
+    import tracemalloc
+
+    payloads = [row(NS, k) for k in range(3)]
+    assert store.stores([StoreItem(k, 0, p, k) for k, p in enumerate(payloads)]).ok
+    admin.append(store.unit_key(1, 0, LAYERS), bytes(48 << 20))
+    sentinel = np.full(NS.total_bytes, 0xA5, np.uint8)
+    outs = [sentinel.copy() for _ in payloads]
+    tracemalloc.start()
+    try:
+        job = store.loads([LoadItem(k, 0, LAYERS, o) for k, o in enumerate(outs)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [o.status for o in job.value] == ["ok", "miss", "ok"], job.detail
+    assert "corrupt" in job.value[1].detail
+    assert np.array_equal(outs[0], payloads[0]) and np.array_equal(outs[2], payloads[2])
+    assert np.array_equal(outs[1], sentinel)
+    assert peak < 16 << 20, f"{peak} bytes allocated for a 48 MiB value"
+    assert admin.exists(store.unit_key(1, 0, LAYERS)) == 0
+    # The connection is still in step.
+    out = np.zeros(NS.total_bytes, np.uint8)
+    assert store.load(2, 0, LAYERS, out).ok and np.array_equal(out, payloads[2])
+
+
 def test_corrupt_cover_falls_back_to_another_split(store, admin) -> None:
     key = b"fallback"
     store.stores(

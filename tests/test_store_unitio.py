@@ -17,7 +17,7 @@ from canonical_ops.units import FileStore, StoreSecret
 from canonical_ops.units import files as files_mod
 from canonical_ops.units.files import key_digest
 from canonical_ops.units.fsutil import Perms
-from canonical_ops.units.unit import decode_and_verify, start_unit
+from canonical_ops.units.unit import CorruptUnit, decode_and_verify, start_unit
 
 NS = small_namespace(8)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files another owner")
@@ -103,6 +103,36 @@ def test_load_statuses(tmp_path) -> None:
         os.symlink("/etc/passwd", path)
         (status, _, reason, *_), _ = native_load(store, 7)
         assert (status, reason) == (_unitio.UNSAFE_FILE, "a symlink")
+
+
+def test_every_forged_header_byte_is_judged_natively_as_decode_header_judges_it(tmp_path):
+    """Each header byte changed, its checksum recomputed (so only the field comparisons can
+    refuse it): the native load is OK exactly when decode_and_verify accepts the unit (only
+    the position may differ: loads do not know it) and never reports another unit loaded."""
+    with FileStore(tmp_path, NS, fsync=False) as store:
+        assert store.store(7, 0, row(NS, 7), 3).ok
+        (path,) = unit_files(store)
+        with open(path, "rb") as f:
+            good = f.read()
+        for offset in range(len(start_unit(NS, 7, 0, 8, 0)[0])):
+            if 80 <= offset < 96:
+                continue  # the checksum itself
+            for value in {good[offset] ^ 1, good[offset] ^ 0x80}:
+                forged = bytearray(good)
+                forged[offset] = value
+                forged[80:96] = bytes(16)
+                forged[80:96] = xxhash.xxh3_128(bytes(forged)).digest()
+                with open(path, "wb") as f:
+                    f.write(forged)
+                try:
+                    decode_and_verify(bytes(forged), namespace=NS, key=7, first=0, end=8)
+                    accepted = True
+                except CorruptUnit:
+                    accepted = False
+                (status, *_), dest = native_load(store, 7)
+                assert status == (_unitio.OK if accepted else _unitio.CORRUPT), (offset, value)
+                assert accepted == (32 <= offset < 39 or (offset == 39 and value < 0x80))
+                assert not accepted or np.array_equal(dest, row(NS, 7))
 
 
 @as_root

@@ -40,7 +40,7 @@ from .redis_connection import (
     client_options,
 )
 from .redis_url import parse_url, redact_url
-from .redis_wire import Command, _Into, _Parts
+from .redis_wire import Command, TooLong, _Into, _Parts
 from .tier import DEFAULT_DEADLINE_S, LoadReq, StoreReq, TierMetrics, UnitStore
 from .unit import (
     FORMAT_VERSION,
@@ -459,7 +459,10 @@ class RedisStore(UnitStore):
                 ld.excluded.add(rng)
                 ld.problems.append(f"{rng[0]}-{rng[1]} unreadable: {value}")
                 return None
-            if not isinstance(value, tuple):  # not the unit's size, or a cluster's reply
+            if isinstance(value, TooLong):  # read through, never held
+                unit = header_length(ld.req.raw_key) + self.namespace.layer_bytes(*rng)
+                value = (int(value), f"value of {int(value)} bytes, the unit has {unit}")
+            elif not isinstance(value, tuple):  # not the unit's size, or a cluster's reply
                 head, view = header_length(ld.req.raw_key), memoryview(value)
                 value = self._land(ld, rng, view[:head], view[head:])
             nbytes, problem = value

@@ -78,12 +78,19 @@ PACKER = _PartsPacker()
 
 class _Into:
     """A GET whose value, if exactly ``head`` + ``size`` bytes, is read into scratch memory
-    and handed to ``land(header, payload)``; whatever that returns is the reply."""
+    and handed to ``land(header, payload)``; whatever that returns is the reply. A longer
+    value is read through, never held (:class:`TooLong`)."""
 
     __slots__ = ("head", "land", "size")
 
     def __init__(self, head: int, size: int, land: Callable[[bytes, memoryview], Any]) -> None:
         self.head, self.size, self.land = head, size, land
+
+
+class TooLong(int):
+    """The reply of a GET with an ``into`` whose value is longer than the unit it expects:
+    the value's size (its bytes were read through a buffer at a time and dropped: a value
+    at a unit's name is not trusted, and Redis allows 512 MiB)."""
 
 
 # Bulk replies under this size are bytes (hashable: index members); larger ones the
@@ -141,6 +148,16 @@ class _Reader:
         while done < len(target):
             done += self._recv(target[done:])
 
+    def skip(self, n: int) -> None:
+        """Read past the next ``n`` bytes of the stream, a read buffer at a time."""
+        done = min(self._end - self._start, n)
+        self._start += done
+        n -= done
+        while n:
+            self._end = self._recv(self._buf)
+            self._start = min(n, self._end)
+            n -= self._start
+
     def bulk(self, size: int, into: _Into | None) -> Any:
         if into is not None and size == into.head + into.size:
             header = bytearray(into.head)
@@ -148,6 +165,9 @@ class _Reader:
             payload = self._scratch(into.size)
             self.into(payload)
             reply = into.land(bytes(header), payload)
+        elif into is not None and size > into.head + into.size:
+            self.skip(size)
+            reply = TooLong(size)
         else:
             data = bytearray(size)
             self.into(memoryview(data))
