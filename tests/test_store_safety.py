@@ -8,6 +8,7 @@ The tests run as root where they need another owner (chown); they skip otherwise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -330,3 +331,107 @@ def test_a_missing_root_and_its_parents_are_created_private(tmp_path, group_shar
     want = 0o770 if group_shared else 0o700
     for directory in (tmp_path / "a", tmp_path / "a" / "b", root):
         assert stat.S_IMODE(directory.stat().st_mode) == want, directory
+
+
+def test_making_the_root_never_chmods_through_a_swapped_parent(tmp_path, monkeypatch) -> None:
+    """``--store /shared/a/b``, ``/shared`` writable by others: between our ``mkdir a/b`` and
+    the chmod of what we made, another user swaps ``a`` for a symlink to a directory that has
+    a ``b`` of its own. The chmod (0700 here, 0770 group-shared) goes to what we made only."""
+    from canonical_ops.units import fsutil
+
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir()
+    (victim / "b").mkdir(parents=True)
+    os.chmod(victim / "b", 0o755)
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path, mode=0o777, *, dir_fd=None):
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if os.fspath(path).endswith("b"):  # the other user wins the race here
+            os.rename(shared / "a", shared / "aside")
+            os.symlink(victim, shared / "a")
+
+    monkeypatch.setattr(fsutil.os, "mkdir", mkdir_then_swap)
+    with contextlib.suppress(OSError):
+        fsutil.make_dirs(str(shared / "a" / "b"), 0o700)
+    assert stat.S_IMODE(os.stat(victim / "b").st_mode) == 0o755
+    assert stat.S_IMODE(os.lstat(shared / "aside" / "b").st_mode) == 0o700
+
+
+@pytest.mark.parametrize("how", ["symlink", "world-writable", pytest.param("other", marks=as_root)])
+def test_the_cli_refuses_a_root_that_is_a_symlink_or_others_may_swap(tmp_path, capsys, how):
+    """``store gc TARGET`` deletes: a TARGET that is a symlink (another user's, pointing at
+    this user's store), another user's directory or one every user may write and not sticky
+    is refused with one line (exit 2), as the store's own directories are; nothing removed."""
+    root = tmp_path / "store"
+    directory = populated(root)
+    before = unit_files_of(directory)
+    target = root
+    if how == "symlink":
+        target = tmp_path / "planted"
+        os.symlink(root, target)
+    elif how == "world-writable":
+        os.chmod(root, 0o777)
+    else:
+        os.chown(root, OTHER_UID, OTHER_UID)
+    for command in (["stats"], ["verify"], ["gc", "--capacity", "0"]):
+        assert store_cli([*command, str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "store" in err, err
+    assert unit_files_of(directory) == before
+    if how == "world-writable":
+        os.chmod(root, 0o1777)  # sticky, as /tmp: the store's rule
+        assert store_cli(["gc", str(target), "--capacity", "0"]) == 0
+        assert unit_files_of(directory) == []
+    capsys.readouterr()
+
+
+@as_root
+def test_group_shared_never_trusts_a_directory_writable_by_a_group_not_ours(tmp_path, capsys):
+    """group_shared: a directory of ours 0770 whose group is not one of ours (inherited from
+    a setgid parent another user owns) is writable by strangers: refused, as theirs would be."""
+    root = tmp_path / "store"
+    with FileStore(root, NS, fsync=False, group_shared=True) as store:
+        assert store.store(7, 0, row(NS, 7), 0).ok
+        directory = store.directory
+    foreign = 54321
+    assert foreign not in {os.getegid(), *os.getgroups()}
+    os.chown(directory, -1, foreign)
+    os.chmod(directory, 0o770)
+    with pytest.raises(StoreRootError, match=f"gid {foreign}"):
+        FileStore(root, NS, group_shared=True)
+    assert store_cli(["verify", "--group-shared", str(root)]) == 1
+    assert "unsafe" in capsys.readouterr().out
+
+
+def test_a_namespace_json_planted_in_a_shared_root_does_not_stop_gc(tmp_path, capsys) -> None:
+    """A root every user may write (sticky, as /tmp): anyone can put a ``namespace.json`` in
+    it. ``store gc ROOT`` must still take it as a root (it holds namespace directories), not
+    as one unsafe namespace directory with nothing to evict."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    directory = populated(root)
+    (root / "namespace.json").write_text("{}")
+    assert store_cli(["gc", str(root), "--capacity", "0"]) == 0
+    assert unit_files_of(directory) == []
+    capsys.readouterr()
+
+
+@as_root
+def test_making_the_root_refuses_a_directory_another_user_put_in_its_place(tmp_path, monkeypatch):
+    from canonical_ops.units import fsutil
+
+    real_mkdir = os.mkdir
+
+    def mkdir_then_replace(path, mode=0o777, *, dir_fd=None):
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if os.path.basename(os.fspath(path)) == "a":  # the other user swaps ours for theirs
+            os.rename(tmp_path / "a", tmp_path / "ours")
+            real_mkdir(tmp_path / "a", 0o777)
+            os.chown(tmp_path / "a", OTHER_UID, OTHER_UID)
+
+    monkeypatch.setattr(fsutil.os, "mkdir", mkdir_then_replace)
+    with pytest.raises(fsutil.UnsafePath, match="replaced while being made"):
+        fsutil.make_dirs(str(tmp_path / "a" / "b"), 0o700)
+    assert os.listdir(tmp_path / "a") == []  # nothing made in theirs

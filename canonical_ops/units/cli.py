@@ -4,7 +4,8 @@
 :mod:`.redis_cli`, printed redacted). Exit codes: 0; ``verify`` 1 when a unit or namespace
 description is bad (each listed); 2 for bad arguments (one line, no traceback). ``--json``
 prints one object. Directories are walked as the store walks them: a symlink, FIFO or
-another user's directory is reported, never followed, read or cleaned.
+another user's directory is reported, never followed, read or cleaned; a root TARGET that is
+a symlink, another user's, or writable by every user and not sticky is refused (2).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, NamedTuple
 from layouts.cli import CliParser
 
 from .files import NAMESPACE_FILE, QUARANTINE_DIR, TMP_DIR, GcReport
-from .fsutil import Perms, clean_temps, open_dir, open_file
+from .fsutil import Perms, clean_temps, open_dir, open_file, open_tree
 from .namespace import StoreNamespace, is_namespace_hex
 from .policy import Entry, LruPolicy
 from .redis_url import REDIS_SCHEMES
@@ -84,9 +85,15 @@ def _description(fd: int) -> Any:
 @contextlib.contextmanager
 def _namespaces(target: str, perms: Perms) -> Iterator[list[_Ns]]:
     """The namespace directories of a root (or the one given), opened safely."""
+    # a namespace.json anyone may plant in a shared root does not make it a namespace
+    # directory: a root holds namespace directories, a namespace directory none
     single = os.path.isfile(os.path.join(target, NAMESPACE_FILE))
+    single = single and not any(is_namespace_hex(n) for n in os.listdir(target))
     parent = os.path.dirname(target) if single else target
-    root = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # a root: not a symlink, another user's or others' to swap (gc deletes through it); a
+    # namespace directory's parent is the operator's path, the directory checked by open_dir
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    root = os.open(parent, flags) if single else open_tree(parent, perms)
     out: list[_Ns] = []
     try:
         names = [os.path.basename(target)] if single else sorted(os.listdir(root))

@@ -34,6 +34,7 @@ __all__ = [
     "open_dir",
     "open_file",
     "open_root",
+    "open_tree",
     "probe",
     "replace_file",
     "temp_prefix",
@@ -80,11 +81,13 @@ class Perms:
 
     def check(self, st: os.stat_result, what: str) -> None:
         """:class:`UnsafePath` unless ``st`` is a directory this store may trust."""
-        if st.st_uid == _EUID and not st.st_mode & self.forbidden:
+        if st.st_uid == _EUID and not st.st_mode & (self.forbidden | 0o020):
             return  # the common case, without a system call
         mine = st.st_uid == os.geteuid()
         ours = self.group_shared and st.st_gid in {os.getegid(), *os.getgroups()}
-        if not (mine or ours) or st.st_mode & self.forbidden:
+        # group_shared: group write is trusted only for one of our groups, not any group
+        strangers = st.st_mode & self.forbidden or (st.st_mode & 0o020 and not ours)
+        if not (mine or ours) or strangers:
             raise UnsafePath(
                 errno.EPERM,
                 f"{what}: expected a directory owned by uid {os.geteuid()}"
@@ -98,18 +101,29 @@ def make_dirs(path: str, mode: int) -> None:
     ``os.makedirs`` would leave the parents it makes readable by everyone)."""
     missing, parent = [], os.path.abspath(path)
     while not os.path.lexists(parent):
-        missing.append(parent)
+        missing.append(os.path.basename(parent))
         parent = os.path.dirname(parent)
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, mode)
-        except FileExistsError:
-            continue
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fchmod(fd, mode)
-        finally:
+    if not missing:
+        return
+    # The existing part is the operator's path (followed); each directory made is made and
+    # chmod-ed through its parent's descriptor, so no swapped parent redirects the chmod.
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in reversed(missing):
+            made = True
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                made = False
+            sub = os.open(name, _DIR, dir_fd=fd)
             os.close(fd)
+            fd = sub
+            if made and os.fstat(fd).st_uid != os.geteuid():  # swapped since made
+                raise UnsafePath(errno.EPERM, f"{path!r}: {name!r} replaced while being made")
+            if made:
+                os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def open_root(path: str, perms: Perms) -> int:
@@ -118,15 +132,44 @@ def open_root(path: str, perms: Perms) -> int:
     be sticky (as /tmp), so that no one else can rename or remove what the store creates."""
     make_dirs(path, perms.dir_mode)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if mode & 0o002 and not mode & stat.S_ISVTX:
+    try:
+        _check_root(os.fstat(fd), path, perms, owner=False)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def open_tree(path: str, perms: Perms) -> int:
+    """An existing root for a tool that walks and cleans it (``store gc``): as
+    :func:`open_root`, and neither a symlink itself (the parents are followed) nor another
+    user's (this user's or root's; group_shared: or one of its groups')."""
+    try:
+        fd = os.open(path, _DIR)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise UnsafePath(error.errno, f"root: {path!r} is a symlink or not a directory") from None
+    try:
+        _check_root(os.fstat(fd), path, perms, owner=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_root(st: os.stat_result, path: str, perms: Perms, *, owner: bool) -> None:
+    mode, groups = st.st_mode, {os.getegid(), *os.getgroups()} if perms.group_shared else ()
+    if owner and st.st_uid not in (0, os.geteuid()) and st.st_gid not in groups:
+        raise UnsafePath(
+            errno.EPERM, f"root: {path!r} is another user's directory (uid {st.st_uid})"
+        )
+    if mode & 0o002 and not mode & stat.S_ISVTX:
         raise UnsafePath(
             errno.EPERM,
             f"root: {path!r} is writable by every user and not sticky (mode "
             f"{stat.S_IMODE(mode):04o}); expected a private directory or chmod +t",
         )
-    return fd
 
 
 def probe(root: int, direct: bool) -> bool:
