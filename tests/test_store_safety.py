@@ -404,6 +404,28 @@ def test_group_shared_never_trusts_a_directory_writable_by_a_group_not_ours(tmp_
     assert "unsafe" in capsys.readouterr().out
 
 
+@as_root
+def test_group_shared_loads_nothing_through_a_key_directory_of_a_group_not_ours(tmp_path):
+    """The native path too: a key directory of ours made 0770 with a stranger's group (whose
+    members could plant a unit in it) is refused: a miss, nothing delivered, nothing stored."""
+    root = tmp_path / "store"
+    with FileStore(root, NS, fsync=False, group_shared=True) as store:
+        assert store.store(7, 0, row(NS, 7), 0).ok
+        directory = store.directory
+    (path,) = unit_files_of(directory)
+    os.chown(os.path.dirname(path), -1, 54321)
+    os.chmod(os.path.dirname(path), 0o770)
+    with FileStore(root, NS, fsync=False, group_shared=True) as store:
+        dest = np.zeros(NS.total_bytes, np.uint8)
+        assert store.load(7, 0, 8, dest).status == "miss" and not dest.any()
+        part = row(NS, 7)[: NS.layer_bytes(0, 4)]
+        assert not store.store(7, 0, part, 0, end=4).ok  # the native store checks it too
+        assert unit_files_of(directory) == [path]
+        os.chown(os.path.dirname(path), -1, os.getegid())  # one of ours: trusted again
+        assert store.load(7, 0, 8, dest).ok and np.array_equal(dest, row(NS, 7))
+        assert store.store(7, 0, part, 0, end=4).ok
+
+
 def test_a_namespace_json_planted_in_a_shared_root_does_not_stop_gc(tmp_path, capsys) -> None:
     """A root every user may write (sticky, as /tmp): anyone can put a ``namespace.json`` in
     it. ``store gc ROOT`` must still take it as a root (it holds namespace directories), not

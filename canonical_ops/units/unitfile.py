@@ -151,7 +151,9 @@ def quarantine(qdir: int, parent: int, found: Found, ident: Any, limit: int) -> 
     moved = os.stat(target, dir_fd=qdir, follow_symlinks=False)
     if ident is not None and (moved.st_dev, moved.st_ino) != ident:
         with contextlib.suppress(FileExistsError):
-            os.link(target, found.name, src_dir_fd=qdir, dst_dir_fd=parent)
+            # the file itself, never what it may point to (a symlink swapped in: linkat
+            # without AT_SYMLINK_FOLLOW links the symlink, not its target)
+            os.link(target, found.name, src_dir_fd=qdir, dst_dir_fd=parent, follow_symlinks=False)
         keep = False
     if not keep:  # full: the first few are kept for post-mortems
         os.unlink(target, dir_fd=qdir)

@@ -279,12 +279,16 @@ struct Perms {
   mode_t dir_mode = 0700, file_mode = 0600;
   bool group_shared = false;
 
+  // A directory of ours, or of one of our groups (group_shared); group write only where the
+  // group is one of ours (a directory of ours can carry a stranger's group, e.g. from a setgid
+  // parent: its members must not plant units).
   bool trusted(const struct stat& st) const {
     if (!S_ISDIR(st.st_mode) || (st.st_mode & forbidden)) return false;
-    if (st.st_uid == uid) return true;
+    bool our_group = false;
     for (gid_t g : gids)
-      if (st.st_gid == g) return true;
-    return false;
+      if (st.st_gid == g) our_group = true;
+    if ((st.st_mode & 020) && !our_group) return false;
+    return st.st_uid == uid || our_group;
   }
 };
 
