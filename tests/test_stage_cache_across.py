@@ -12,6 +12,7 @@ engine's namespace is built the way that engine builds it (``from_specs`` at its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -325,6 +326,40 @@ def test_sizes_it_cannot_read_are_one_line_each_and_never_read(tmp_path, caplog)
     ]
 
 
+def test_a_namespace_only_described_with_the_scheme_is_never_read_across(tmp_path, caplog):
+    """SGLang's own namespace where sharing fails (``replace(own, key_scheme=...)``): layers of
+    different tokens per page, or a page not whole hash blocks. Its units are not another
+    engine's: reading a 32-token engine's units into rows of 16-, 32- and 8-token layers
+    (same row size here) would load bytes of other tokens and layers. Refused, never read."""
+    ctx, sizes = RankContext(2, HEADS, 0), ((16, 8), (32, 8), (8, 16))  # (tokens, head size)
+    specs = [LayerSpec("full", t, HEADS // 2, hs, "bfloat16", "split", "NHD") for t, hs in sizes]
+    mixed = StoreNamespace.from_specs(ModelIdentity(MODEL), specs, ctx)
+    with pytest.raises(ValueError, match="different tokens per page"):
+        mixed.shared_prefix(SCHEME)
+    mixed = dataclasses.replace(mixed, key_scheme=SCHEME.describe())
+    specs32 = [dataclasses.replace(s, block_size=32) for s in specs]
+    ns32 = StoreNamespace.from_specs(ModelIdentity(MODEL), specs32, ctx).shared_prefix(SCHEME)
+    with FileStore(tmp_path, ns32, fsync=False) as theirs, caplog.at_level(logging.WARNING):
+        keys = SCHEME.unit_keys(PROMPT, 32)
+        for i in range(2):
+            theirs.store(keys[i], 0, np.full(ns32.total_bytes, i + 1, np.uint8), i)
+        manager, rows = PageManager(4), np.zeros((4, mixed.total_bytes), np.uint8)
+        assert mixed.total_bytes == ns32.total_bytes // 2  # a split would fit the rows
+        cache = StageCache(manager, rows, (0, LAYERS), mixed, [], across={32: [theirs]})
+        found = cache.lookup(KEYS[:4], timeout=30, across_keys=across_keys(32))
+        cache.fetch(KEYS[:4], found, across_keys=across_keys(32))
+        assert found == TierLookup(0, 0, ()) and cache.drain(30) == []
+    assert manager.lookup(KEYS[:4]) == 0 and not rows.any()
+    assert [r.getMessage() for r in caplog.records] == [
+        "canonical-kv: not reading units of 32 tokens: this engine's own units are not shared"
+    ]
+    # Pages of 4 tokens with hash blocks of 8: not shared either, whatever it could split.
+    spec4 = LayerSpec("full", 4, HEADS // 2, HEAD_SIZE, "bfloat16", "split", "NHD")
+    own4 = StoreNamespace.from_specs(ModelIdentity(MODEL), [spec4] * LAYERS, ctx)
+    with pytest.raises(ValueError, match="not shared"):
+        UnitsAcross.of(dataclasses.replace(own4, key_scheme=SCHEME.describe()), 16)
+
+
 def test_units_across_arithmetic_and_namespace():
     big, small = UnitsAcross.of(namespace(UNIT), 32), UnitsAcross.of(namespace(UNIT), 8)
     assert big.namespace == namespace(32) and small.namespace == namespace(8)  # as built there
@@ -348,6 +383,9 @@ def test_a_fetch_needs_the_keys_its_lookup_was_given(tmp_path):
                 reader.cache.fetch(KEYS, found, across_keys=keys)
         with pytest.raises(ValueError, match=r"found: sources\[0\] is 5, not a store"):
             reader.cache.fetch(KEYS, TierLookup(0, 1, (5,)))
+        # A source for every block found, or the pages past the sources would stay pending.
+        with pytest.raises(ValueError, match="found: expected a source for each of its 4"):
+            reader.cache.fetch(KEYS, TierLookup(0, 4, (0, 0)), across_keys=across_keys(32))
         assert reader.manager.num_filling == 0  # nothing allocated by a refused fetch
         with pytest.raises(TypeError, match=r"across_keys\[32\]: expected a sequence"):
             reader.cache.lookup(KEYS, across_keys={32: KEYS[0]})

@@ -288,6 +288,11 @@ class StageCache:
             raise ValueError(
                 f"found: covers {found.total} blocks, more than the {len(hashes)} hashes given"
             )
+        if len(found.sources) != found.from_tiers:  # else pages beyond them stay pending
+            raise ValueError(
+                f"found: expected a source for each of its {found.from_tiers} blocks from the "
+                f"tiers, got {len(found.sources)}"
+            )
         for i, source in enumerate(found.sources):
             units = self._across[source] if 0 <= source < len(self._stores) else False
             if units is False:

@@ -51,7 +51,8 @@ class UnitsAcross:
         """Units of ``tokens`` tokens read as units of the shared namespace ``own``: the same
         model, format, quantisation, layers and key scheme, ``tokens`` per unit. ValueError
         (why) for a size neither a multiple nor a divisor of ``own``'s, not whole hash blocks,
-        ``own``'s own size, or a namespace not shared or with pages not made of tokens."""
+        ``own``'s own size, or a namespace not exactly its ``shared_prefix`` or with pages not
+        made of tokens."""
         check_type("own", own, StoreNamespace)
         tokens = check_int("tokens", tokens, minimum=1)
         mine = own.unit_tokens
@@ -61,7 +62,14 @@ class UnitsAcross:
             raise ValueError(f"neither a multiple nor a divisor of the unit size {mine}")
         if not own.key_scheme or own.topology_bound or own.unit_kind != "kv":
             raise ValueError("this engine's own units are not shared")
-        TokenKeyScheme.described(own.key_scheme).check_unit_tokens(tokens)
+        scheme = TokenKeyScheme.described(own.key_scheme)
+        try:  # exactly its shared prefix: one tokens per page, whole hash blocks, no states
+            shared = own.shared_prefix(scheme).digest == own.digest
+        except ValueError:  # e.g. SGLang's own namespace with the scheme described
+            shared = False
+        if not shared:
+            raise ValueError("this engine's own units are not shared")
+        scheme.check_unit_tokens(tokens)
         layers = []
         for i, layer in enumerate(own.layers):
             if layer.scales is not None and layer.scales.has_page:
