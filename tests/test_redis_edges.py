@@ -7,6 +7,7 @@ import logging
 import re
 import subprocess
 import sys
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -90,6 +91,9 @@ def test_an_ambiguous_url_is_refused_without_the_secret(server) -> None:
         ("redis://word@h", "redis://***@h", ("word", None)),
         ("/var/cache/kv@1", "/var/cache/kv@1", None),  # not a URL: unchanged
         ("redis://:a@b?c@h:1", "redis://***@h:1", None),  # ambiguous: refused by parse_url
+        ("redis://user:pw", "redis://***", None),  # no host: 'pw' would be the port
+        ("redis://h:1/0?pass%77ord=pw", "redis://h:1/0?pass%77ord=***", (None, None)),
+        ("redis:/u:pw@h", "redis:***", None),  # a mistyped URL: not a directory
     ],
 )  # fmt: skip
 def test_redact_url_and_parse_url(url, shown, parts) -> None:
@@ -101,6 +105,40 @@ def test_redact_url_and_parse_url(url, shown, parts) -> None:
         parsed = parse_url(url)
         assert (parsed.username, parsed.password) == parts
         assert "@" not in parsed.address and (parts[1] is None or parts[1] not in repr(parsed))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://user:{SECRET.replace('@', '')}",  # the host forgotten: host 'user', port ...
+        f"redis://:{PIECES[0]}",
+        f"redis://[::1:{PIECES[0]}",
+        f"redis:/user:{PIECES[0]}@127.0.0.1",  # '://' mistyped
+        f"redis//user:{PIECES[0]}@127.0.0.1",
+    ],
+)
+def test_a_malformed_url_never_shows_the_password(url, capsys) -> None:
+    with pytest.raises(ValueError, match="url: expected") as info:
+        RedisStore(url, NS)
+    assert_hidden(str(info.value) + redact_url(url))
+    assert store_cli("stats", url) == 2
+    out, err = capsys.readouterr()
+    assert_hidden(out + err)
+
+
+def test_no_public_repr_shows_a_password(server, capsys) -> None:
+    encoded = urllib.parse.quote(SECRET, safe="")
+    query = f"redis://127.0.0.1:{server.port}/0?pass%77ord={encoded}"
+    assert_hidden(repr(parse_url(query)) + redact_url(query))
+    with RedisStore(query, NS) as store:  # redis-py reads 'pass%77ord' as 'password'
+        assert store.store(b"q", 0, row(NS, 1), 0).ok
+        assert_hidden(repr(store) + repr(store._connection) + store.url)
+    with RedisStore(f"redis://:{SECRET}@127.0.0.1:{server.port}/0", NS) as store:
+        assert_hidden(repr(store) + repr(store._connection))
+    from canonical_ops.units.cli import main as store_main
+
+    assert store_main(["stats", f"redisx://u:{PIECES[0]}@127.0.0.1"]) == 2
+    assert_hidden("".join(capsys.readouterr()))
 
 
 def test_a_missing_password_says_how_to_give_it(server) -> None:

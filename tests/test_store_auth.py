@@ -145,3 +145,31 @@ def test_store_verify_needs_the_secret(tmp_path, capsys, monkeypatch) -> None:
         f.write(bytes([last ^ 1]))
     assert store_cli(["verify", str(tmp_path)]) == 1
     assert "checksum mismatch" in capsys.readouterr().out
+
+
+def test_macs_are_compared_in_constant_time(tmp_path, monkeypatch) -> None:
+    """Every reader compares ``digest()`` with the stored tag by ``==`` / ``!=``: a MAC's
+    digest makes those hmac.compare_digest (a byte-by-byte compare leaks the tag's prefix)."""
+    import hmac
+
+    calls = []
+
+    def spy(a, b):
+        calls.append(len(a))
+        return real(a, b)
+
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    ns = NS.authenticated(SECRET)
+    unit = encode_unit(ns, b"block", 0, 8, 0, row(NS, 1))
+    decode_and_verify(unit, namespace=ns)
+    assert calls == [16]
+    forged = bytearray(unit)
+    forged[-1] ^= 1
+    with pytest.raises(CorruptUnit, match="checksum mismatch"):
+        decode_and_verify(bytes(forged), namespace=ns)
+    assert calls == [16, 16]
+    digest = SECRET.mac().digest()
+    assert digest == bytes(digest) and bytes(digest) == digest
+    assert (digest != bytes(digest)) is False
+    assert digest != b"x" * 16 and digest != "text" and hash(digest) == hash(bytes(digest))

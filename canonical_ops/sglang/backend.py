@@ -89,7 +89,9 @@ def _config(storage_config: Any) -> dict[str, Any]:
         value = extra.get(name)
         if (name == "store" or name in extra) and (not isinstance(value, kind) or value == ""):
             what = "a non-empty string" if kind is str else "a JSON object"
-            raise BackendSetupError(f"extra_config.{name}: expected {what}, got {value!r:.80}")
+            raise BackendSetupError(
+                f"extra_config.{name}: expected {what}, got a {type(value).__name__}"
+            )
     kv_quant = extra.get("kv_quant", "none")
     if kv_quant.lower().startswith("fp8") and kv_quant not in FP8_FORMATS:
         raise BackendSetupError(

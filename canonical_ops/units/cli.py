@@ -24,7 +24,7 @@ from .files import NAMESPACE_FILE, QUARANTINE_DIR, TMP_DIR, GcReport
 from .fsutil import Perms, clean_temps, open_dir, open_file, open_tree
 from .namespace import StoreNamespace, is_namespace_hex
 from .policy import Entry, LruPolicy
-from .redis_url import REDIS_SCHEMES
+from .redis_url import REDIS_SCHEMES, redact_url
 from .store_report import (
     MAX_DESCRIPTION,
     print_error,
@@ -270,9 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             return _redis(args)
         target = os.path.abspath(args.target)
         if not os.path.isdir(target):
-            parser.fail(
-                f"TARGET: expected a store directory or a Redis URL, {args.target!r} is neither"
-            )
+            shown = redact_url(args.target)  # a mistyped scheme's URL: credentials hidden
+            parser.fail(f"TARGET: expected a store directory or a Redis URL, {shown!r} is neither")
     except SystemExit as exit_:  # usage errors (2) and --help (0)
         return exit_.code if isinstance(exit_.code, int) else 0
     perms = Perms(args.group_shared)

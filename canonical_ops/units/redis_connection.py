@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -208,7 +208,7 @@ class RedisConnection:
     """The clients of one :class:`.RedisStore` and its round trips through the breaker."""
 
     url: str  # redacted, for messages
-    options: dict[str, Any]  # client_options()
+    options: dict[str, Any] = field(repr=False)  # client_options(): the password too
     cluster: bool
     timeouts: tuple[float, float]  # socket, lookup (indexed by ``lookup``)
     retries: int

@@ -470,7 +470,9 @@ def _check_options(name: str, value: Any, refused: frozenset[str]) -> dict[str, 
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise TypeError(f"{name}: expected a mapping of option names to values, got {value!r}")
+        raise TypeError(
+            f"{name}: expected a mapping of option names to values, got a {type(value).__name__}"
+        )
     clash = sorted(refused & set(value))
     if clash:
         raise ValueError(f"{name}: {clash} are set by the tier itself; remove them")
