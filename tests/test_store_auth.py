@@ -173,3 +173,22 @@ def test_macs_are_compared_in_constant_time(tmp_path, monkeypatch) -> None:
     assert digest == bytes(digest) and bytes(digest) == digest
     assert (digest != bytes(digest)) is False
     assert digest != b"x" * 16 and digest != "text" and hash(digest) == hash(bytes(digest))
+
+
+def test_an_authenticated_namespace_without_its_secret_is_refused(tmp_path) -> None:
+    """A store given an authenticated namespace (its key id) but no secret could verify no
+    unit: every one would read as corrupt, and stores drop corrupt units (a Redis reader
+    without the secret deleted the fleet's units). Refused at construction; nothing made."""
+    import dataclasses
+
+    from canonical_ops.units import RedisStore
+
+    keyless = dataclasses.replace(NS.authenticated(SECRET), secret=None)
+    with pytest.raises(ValueError, match=f"key_id {SECRET.key_id}.* without its secret"):
+        FileStore(tmp_path / "files", keyless)
+    assert not (tmp_path / "files").exists()
+    with pytest.raises(ValueError, match="without its secret"):
+        RedisStore("redis://127.0.0.1:1/0", keyless, require_server=False)
+    with FileStore(tmp_path / "files", keyless, secret=SECRET) as store:  # with it: fine
+        assert store.namespace.key_id == SECRET.key_id
+        assert store.store(1, 0, row(NS, 1), 0).ok

@@ -154,7 +154,7 @@ class FileStore(UnitStore):
         self.quarantine_limit = check_int("quarantine_limit", quarantine_limit, minimum=0)
         self._policy = LruPolicy(check_seconds("recency_granularity_s", recency_granularity_s))
         threads, queue_depth, deadline_s = self._pool_args(pool, threads, queue_depth, deadline_s)
-        self.namespace = namespace if secret is None else namespace.authenticated(secret)
+        self.namespace = namespace.for_store(secret)
         self.capacity_bytes, self.fsync = capacity_bytes, fsync
         self.root = os.path.abspath(os.fspath(root))
         self.directory = os.path.join(self.root, self.namespace.hex)

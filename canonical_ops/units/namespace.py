@@ -153,6 +153,19 @@ class StoreNamespace:
         check_type("secret", secret, StoreSecret)
         return replace(self, key_id=secret.key_id, secret=secret)
 
+    def for_store(self, secret: Any = None) -> StoreNamespace:
+        """The namespace a store works in: :meth:`authenticated` with ``secret`` when given.
+        An authenticated namespace (``key_id``) without its secret is refused: it could verify
+        no unit, so every one would read as corrupt (and a store drops corrupt units)."""
+        if secret is not None:
+            return self.authenticated(secret)
+        if self.key_id and self.secret is None:
+            raise ValueError(
+                f"namespace: authenticated (key_id {self.key_id}) but without its secret; "
+                "expected secret=StoreSecret(...) of that key"
+            )
+        return self
+
     def shared_prefix(self, key_scheme: Any) -> StoreNamespace:
         """The namespace every engine uses for this model's KV keyed by ``key_scheme`` (a
         ``token_keys.TokenKeyScheme``): this one with the scheme described, so the same model,

@@ -168,7 +168,7 @@ class RedisStore(UnitStore):
         deadline_s: float | None = DEFAULT_DEADLINE_S,
     ) -> None:
         check_type("namespace", namespace, StoreNamespace)
-        self.namespace = namespace if secret is None else namespace.authenticated(secret)
+        self.namespace = namespace.for_store(secret)
         parsed = parse_url(url)
         self.url = redact_url(url)
         if cluster is not None and not isinstance(cluster, (bool, np.bool_)):
