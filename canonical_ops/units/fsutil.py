@@ -132,12 +132,7 @@ def open_root(path: str, perms: Perms) -> int:
     be sticky (as /tmp), so that no one else can rename or remove what the store creates."""
     make_dirs(path, perms.dir_mode)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _check_root(os.fstat(fd), path, perms, owner=False)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _checked_root(fd, path, perms, owner=False)
 
 
 def open_tree(path: str, perms: Perms) -> int:
@@ -150,8 +145,14 @@ def open_tree(path: str, perms: Perms) -> int:
         if error.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         raise UnsafePath(error.errno, f"root: {path!r} is a symlink or not a directory") from None
+    return _checked_root(fd, path, perms, owner=True)
+
+
+def _checked_root(fd: int, path: str, perms: Perms, *, owner: bool) -> int:
+    """``fd`` once its directory passes :func:`_check_root` (closed, and the error raised,
+    when it does not)."""
     try:
-        _check_root(os.fstat(fd), path, perms, owner=True)
+        _check_root(os.fstat(fd), path, perms, owner=owner)
     except BaseException:
         os.close(fd)
         raise
