@@ -34,6 +34,8 @@ _ALIASES = {
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
+    "fp8_e4m3fnuz": "float8_e4m3fnuz",
+    "fp8_e5m2fnuz": "float8_e5m2fnuz",
 }
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 
 from layouts import KVScales, RankContext
 from layouts.cli import escape_text
+from layouts.spec import dtype_name
 
 from ..checks import check_seconds
 from ..units import FileStore, ModelIdentity, StoreNamespace
@@ -61,15 +61,6 @@ CONFIG_KEYS = {
 # SGLang keeps fp8 KV as uint8 in its host pools: only this name tells the format (one
 # spelling each; the fnuz ones for engines storing those, as SGLang on ROCm MI300 does).
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
-# Each format's KV dtype, as the standalone engine and ``layouts`` name it (the namespace's).
-_FP8_DTYPES = {
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-    "fp8_e4m3fnuz": "float8_e4m3fnuz",
-    "fp8_e5m2fnuz": "float8_e5m2fnuz",
-}
-
-
 _TYPED = dict(store=str, store_options=dict, model_extra=dict, kv_quant=str, staging_dir=str)
 _TYPED.update(hash_algorithm=str)
 
@@ -122,31 +113,22 @@ def _kv_scales(extra: dict, kv_quant: str, num_layers: int) -> list[KVScales] | 
     )
     if value is None:
         raise BackendSetupError(f"{expected}; got none (units of other scales mean other values)")
-    pairs = value
-    if isinstance(value, list) and not any(isinstance(pair, list) for pair in value):
-        pairs = [value] * num_layers
+    one = isinstance(value, list) and not any(isinstance(pair, list) for pair in value)
+    pairs = [value] * num_layers if one else value
     if not isinstance(pairs, list) or len(pairs) != num_layers:
         raise BackendSetupError(f"{expected}; got {value!r:.80}")
     out = []
-    for pair in pairs:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(map(_exact_scale, pair))):
+    for pair in pairs:  # KVScales rounds to float32: a value it changes is not SGLang's
+        try:
+            k, v = pair if isinstance(pair, list) else ()
+            scales = KVScales("per-tensor", "float32", k, v)
+            exact = (scales.k_scale, scales.v_scale) == (k, v)
+        except (TypeError, ValueError, OverflowError):
+            exact = False
+        if not exact:
             raise BackendSetupError(f"{expected}; got {pair!r:.80}")
-        out.append(KVScales("per-tensor", "float32", float(pair[0]), float(pair[1])))
+        out.append(scales)
     return out
-
-
-def _exact_scale(value: Any) -> bool:
-    """Whether ``value`` is a finite positive number that float32 holds exactly (as SGLang
-    holds a layer's scale, and as a namespace's description must)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond any float
-        return False
-    with np.errstate(over="ignore", invalid="ignore"):
-        held = float(np.float32(number))
-    return math.isfinite(number) and number > 0 and held == value
 
 
 def _int_option(extra: dict, name: str, default: int | None) -> int | None:
@@ -207,7 +189,7 @@ class CanonicalStorageCore:
         ctx = RankContext(self.tp_size, codec.total_kv_heads, self.tp_rank)
         spec, scales = codec.spec, _kv_scales(extra, kv_quant, num_layers)
         if scales is not None:  # fp8: named as the standalone engine names it, scales and all
-            dtype = _FP8_DTYPES[kv_quant]
+            dtype = dtype_name(kv_quant)
             if codec.dtype not in ("uint8", dtype):
                 raise BackendSetupError(
                     f"extra_config.kv_quant: {kv_quant} KV is one byte an element, but the "
