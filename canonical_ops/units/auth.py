@@ -21,24 +21,6 @@ _MIN_KEY_BYTES = 16
 _MAX_KEY_BYTES = 4096
 
 
-class _Digest(bytes):
-    """A tag whose ``==`` and ``!=`` run in constant time (:func:`hmac.compare_digest`): the
-    readers compare ``digest()`` with the stored tag by operator."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, (bytes, bytearray, memoryview)):
-            return NotImplemented
-        return hmac.compare_digest(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = bytes.__hash__
-
-
 class _Tag:
     """HMAC-SHA256 truncated to 16 bytes, shaped like an XXH3-128 hasher."""
 
@@ -48,7 +30,7 @@ class _Tag:
         self._mac, self.update = mac, mac.update
 
     def digest(self) -> bytes:
-        return _Digest(self._mac.digest()[:16])
+        return self._mac.digest()[:16]
 
 
 class StoreSecret:

@@ -118,9 +118,9 @@ def make_dirs(path: str, mode: int) -> None:
             sub = os.open(name, _DIR, dir_fd=fd)
             os.close(fd)
             fd = sub
-            if made and os.fstat(fd).st_uid != os.geteuid():  # swapped since made
-                raise UnsafePath(errno.EPERM, f"{path!r}: {name!r} replaced while being made")
             if made:
+                if os.fstat(fd).st_uid != os.geteuid():  # swapped since made
+                    raise UnsafePath(errno.EPERM, f"{path!r}: {name!r} replaced while being made")
                 os.fchmod(fd, mode)
     finally:
         os.close(fd)

@@ -16,6 +16,7 @@ counted miss and is deleted. Design notes: ``docs/redis_tier.md``.
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import math
 import re
@@ -409,7 +410,8 @@ class RedisStore(UnitStore):
             if len(payload) != self.namespace.layer_bytes(*rng):
                 raise CorruptUnit(f"payload of {len(payload)} bytes")
             hasher.update(payload)
-            problem = None if hasher.digest() == checksum else "checksum mismatch"
+            same = hmac.compare_digest(hasher.digest(), checksum)  # constant time: a MAC's too
+            problem = None if same else "checksum mismatch"
         except CorruptUnit as bad:
             problem = bad.reason
         if problem is None:

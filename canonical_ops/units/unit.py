@@ -31,6 +31,7 @@ or range is refused by field comparison before any payload byte is hashed.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import sys
 from collections.abc import Iterable
@@ -400,7 +401,7 @@ class PayloadVerifier:
             raise CorruptUnit(
                 f"truncated payload: {self._length - self._remaining} of {self._length} bytes"
             )
-        if self._hasher.digest() != self._expected:
+        if not hmac.compare_digest(self._hasher.digest(), self._expected):  # a MAC's too
             raise CorruptUnit("checksum mismatch")
 
 
