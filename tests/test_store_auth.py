@@ -148,8 +148,8 @@ def test_store_verify_needs_the_secret(tmp_path, capsys, monkeypatch) -> None:
 
 
 def test_macs_are_compared_in_constant_time(tmp_path, monkeypatch) -> None:
-    """Every reader compares ``digest()`` with the stored tag by ``==`` / ``!=``: a MAC's
-    digest makes those hmac.compare_digest (a byte-by-byte compare leaks the tag's prefix)."""
+    """Readers compare ``digest()`` with the stored tag by hmac.compare_digest (a
+    byte-by-byte compare that stops early leaks how much of a forged tag was right)."""
     import hmac
 
     calls = []
